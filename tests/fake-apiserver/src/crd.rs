@@ -209,6 +209,43 @@ impl Kind {
         }
     }
 
+    /// The core `v1` `Namespace` kind: namespaced objects can only be created in one that exists.
+    pub fn namespace_kind() -> Kind {
+        Kind {
+            group: String::new(),
+            plural: "namespaces".into(),
+            singular: "namespace".into(),
+            kind: "Namespace".into(),
+            list_kind: "NamespaceList".into(),
+            short_names: vec!["ns".into()],
+            categories: vec![],
+            namespaced: false,
+            versions: vec![Version {
+                name: "v1".into(),
+                schema: None,
+                status_subresource: true,
+                printer_columns: vec![
+                    json!({ "name": "Status", "type": "string", "jsonPath": ".status.phase" }),
+                    json!({ "name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp" }),
+                ],
+            }],
+            verbs: &[
+                "create", "delete", "get", "list", "patch", "update", "watch",
+            ],
+            stored: true,
+        }
+    }
+
+    /// Whether this is the core `Namespace` kind.
+    pub fn is_namespace(&self) -> bool {
+        self.group.is_empty() && self.plural == "namespaces"
+    }
+
+    /// Whether this is the `CustomResourceDefinition` kind.
+    pub fn is_crd(&self) -> bool {
+        self.group == "apiextensions.k8s.io" && self.plural == "customresourcedefinitions"
+    }
+
     /// A create-only review kind (`SelfSubjectAccessReview`, `TokenReview`).
     pub fn review_kind(group: &str, plural: &str, kind: &str, namespaced: bool) -> Kind {
         Kind {

@@ -90,13 +90,16 @@ pub(crate) fn answer(shared: &Shared, doc: &Doc, parts: &Parts) -> Result<Respon
             })
         }
         Doc::CoreV1 => json!({
-            "kind": "APIResourceList", "groupVersion": "v1", "resources": [],
+            "kind": "APIResourceList",
+            "groupVersion": "v1",
+            "resources": kinds.iter().filter(|k| k.group.is_empty()).flat_map(|k| resources(k, "v1")).collect::<Vec<_>>(),
         }),
         Doc::Apis => json!({
             "kind": "APIGroupList",
             "apiVersion": "v1",
-            "groups": groups.iter().map(|(g, vs)| group_doc(g, vs)).collect::<Vec<_>>(),
+            "groups": groups.iter().filter(|(g, _)| !g.is_empty()).map(|(g, vs)| group_doc(g, vs)).collect::<Vec<_>>(),
         }),
+        Doc::Group(g) if g.is_empty() => return Err(ApiError::PathNotFound),
         Doc::Group(g) => {
             let versions = groups.get(g.as_str()).ok_or(ApiError::PathNotFound)?;
             let mut doc = group_doc(g, versions);
@@ -104,6 +107,7 @@ pub(crate) fn answer(shared: &Shared, doc: &Doc, parts: &Parts) -> Result<Respon
             doc["apiVersion"] = json!("v1");
             doc
         }
+        Doc::GroupVersion(g, _) if g.is_empty() => return Err(ApiError::PathNotFound),
         Doc::GroupVersion(g, v) => {
             let served: Vec<&Arc<Kind>> = kinds
                 .iter()

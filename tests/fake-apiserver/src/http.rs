@@ -2,7 +2,6 @@
 //! and derive the verb, log, apply injected faults, authorize, negotiate the representation,
 //! then call the store.
 
-use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
@@ -23,7 +22,7 @@ use crate::error::{ApiError, Result};
 use crate::faults::{Action, Attributes, RequestRecord};
 use crate::render::{self, Format};
 use crate::selector::{FieldSelector, LabelSelector};
-use crate::store::{ListOpts, Patch, Scope, WatchInfo, WatchOpts, WriteOpts, Written};
+use crate::store::{ListOpts, Opened, Patch, Scope, WatchInfo, WatchOpts, WriteOpts, Written};
 use crate::watch_body::{self, WatchBody};
 use crate::{Shared, admin, discovery, reviews};
 
@@ -77,8 +76,10 @@ impl Params {
             .map(|(_, v)| v.as_str())
     }
 
+    /// A boolean parameter, parsed as Go's `strconv.ParseBool` does.
     fn flag(&self, key: &str) -> Option<bool> {
-        self.get(key).map(|v| v == "true" || v == "1")
+        self.get(key)
+            .map(|v| matches!(v, "1" | "t" | "T" | "true" | "True" | "TRUE"))
     }
 }
 
@@ -267,12 +268,12 @@ async fn resource(
         .state()
         .find_kind(&rp.group, &rp.version, &rp.plural)
         .ok_or(ApiError::PathNotFound)?;
-    let path_fits_scope = match (kind.namespaced, &rp.namespace, &rp.name) {
-        (true, None, Some(_)) => false,
-        (false, Some(_), _) => false,
-        _ => true,
-    };
-    if !path_fits_scope {
+    // A namespaced kind's objects are named within a namespace; a cluster kind has none.
+    let path_misfits_scope = matches!(
+        (kind.namespaced, &rp.namespace, &rp.name),
+        (true, None, Some(_)) | (false, Some(_), _)
+    );
+    if path_misfits_scope {
         return Err(ApiError::PathNotFound);
     }
     let status_only = match rp.sub.as_deref() {
@@ -491,16 +492,16 @@ fn watch(
     let deadline = tokio::time::Instant::now() + opts.timeout.unwrap_or(Duration::from_secs(1800));
     let control = shared.control.subscribe();
     let stall = shared.stall.subscribe();
-    let (initial, registered) =
+    let Opened { initial, live } =
         shared
             .state()
             .watch(scope, opts, format, info, watch_list_enabled)?;
-    let (rx, guard) = match registered {
+    let (rx, guard) = match live {
         Some((id, rx)) => (rx, Some(watch_body::guard(shared, id))),
         None => (mpsc::channel(1).1, None),
     };
     let body = WatchBody {
-        initial: VecDeque::from(initial),
+        initial,
         rx,
         control,
         stall,
@@ -594,13 +595,14 @@ async fn read_optional_json(parts: &Parts, body: Body) -> Result<Value> {
 async fn read_patch(parts: &Parts, body: Body, scope: &Scope, params: &Params) -> Result<Patch> {
     let content_type = content_type(parts);
     let bytes = read_bytes(body).await?;
-    let is_crd = scope.kind.group == "apiextensions.k8s.io";
+    // Built-in kinds take strategic merge patches; custom resources do not.
+    let is_builtin = scope.kind.is_crd() || scope.kind.is_namespace();
     match content_type.as_str() {
         "application/merge-patch+json" => Ok(Patch::Merge(decode(&content_type, &bytes)?)),
         "application/json-patch+json" => Ok(Patch::Json(decode(&content_type, &bytes)?)),
-        // CRDs are a built-in type and take strategic merge patches; their lists have no merge
-        // keys, so a merge patch (without the `$` directives) gives the same result.
-        "application/strategic-merge-patch+json" if is_crd => {
+        // The lists of the built-in kinds served here have no merge keys, so a merge patch
+        // (without the `$` directives) gives the same result as a strategic one.
+        "application/strategic-merge-patch+json" if is_builtin => {
             let mut patch = decode(&content_type, &bytes)?;
             strip_directives(&mut patch);
             Ok(Patch::Merge(patch))
@@ -618,7 +620,7 @@ async fn read_patch(parts: &Parts, body: Body, scope: &Scope, params: &Params) -
             }
             Ok(Patch::Apply(decode("yaml", &bytes)?))
         }
-        other => Err(ApiError::unsupported_media_type(other)),
+        _ => Err(ApiError::unsupported_media_type()),
     }
 }
 
@@ -669,6 +671,8 @@ mod tests {
         let watch = Params::parse("&watch=true&timeoutSeconds=290");
         assert_eq!(r.verb(&Method::GET, &watch), "watch");
         assert_eq!(r.verb(&Method::GET, &Params::parse("&watch=1")), "watch");
+        assert_eq!(r.verb(&Method::GET, &Params::parse("watch=True")), "watch");
+        assert_eq!(r.verb(&Method::GET, &Params::parse("watch=false")), "list");
         assert_eq!(r.verb(&Method::GET, &Params::parse("limit=500")), "list");
         assert_eq!(
             r.verb(&Method::DELETE, &Params::default()),

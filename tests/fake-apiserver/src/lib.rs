@@ -15,6 +15,8 @@
 //! - [`FakeApiServer`] owns the listener (which can go down and come back on the same port), the
 //!   bookmark ticker, and the Rust API tests drive.
 
+#![warn(clippy::unwrap_used)]
+
 use std::path::Path;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
@@ -191,6 +193,7 @@ impl FakeApiServer {
             options.bookmark_every,
         );
         state.add_kind(Kind::crd_kind());
+        state.add_kind(Kind::namespace_kind());
         for (group, plural, kind, namespaced) in reviews::KINDS {
             state.add_kind(Kind::review_kind(group, plural, kind, *namespaced));
         }
@@ -216,6 +219,9 @@ impl FakeApiServer {
             )),
             shared,
         };
+        for ns in ["default", "kube-system", "kube-public", "kube-node-lease"] {
+            server.create_namespace(ns)?;
+        }
         for crd in options.crds {
             server.install_crd(crd)?;
         }
@@ -328,11 +334,27 @@ impl FakeApiServer {
         ))
     }
 
+    /// Creates a namespace (doing nothing if it exists).
+    pub fn create_namespace(&self, name: &str) -> Result<(), ApiError> {
+        let scope = self.scope("", "v1", "namespaces", None)?;
+        let mut state = self.shared.state();
+        if state.namespace_exists(name) {
+            return Ok(());
+        }
+        let ns = serde_json::json!({ "apiVersion": "v1", "kind": "Namespace", "metadata": { "name": name } });
+        state.create(&scope, ns, &store::WriteOpts::default())?;
+        Ok(())
+    }
+
     /// Creates the object, or replaces it if it exists (the resourceVersion is taken care of):
     /// the test-side equivalent of `kubectl apply`. Its `apiVersion`, `kind` and
-    /// `metadata.namespace` (default `default`) say where it goes.
+    /// `metadata.namespace` (default `default`) say where it goes; a missing namespace is
+    /// created first.
     pub fn apply(&self, obj: Value) -> Result<Value, ApiError> {
         let (scope, name) = self.scope_of(&obj)?;
+        if let Some(ns) = &scope.namespace {
+            self.create_namespace(ns)?;
+        }
         let mut state = self.shared.state();
         let opts = store::WriteOpts::default();
         match state.get(&scope, &name) {

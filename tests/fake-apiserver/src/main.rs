@@ -2,6 +2,8 @@
 //! people. Prints its URL on the first line of stdout; knobs are under `/fake/` (see the crate
 //! README).
 
+#![warn(clippy::unwrap_used)]
+
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;

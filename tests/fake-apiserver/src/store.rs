@@ -459,6 +459,15 @@ impl State {
         meta.insert("name".into(), json!(name));
         let addr = Addr { scope, name: &name };
         validate_name(scope, &name)?;
+        if let Some(ns) = scope.namespace.as_deref()
+            && !self.namespace_exists(ns)
+        {
+            let namespaces = Target {
+                group: "",
+                plural: "namespaces",
+            };
+            return Err(ApiError::not_found(namespaces, ns));
+        }
         if self.stored(&addr).is_some() {
             return Err(ApiError::already_exists(scope.target(), &name));
         }
@@ -490,6 +499,10 @@ impl State {
         if let Some(kind) = crd_kind {
             crd_accepted(&mut body, &kind);
             self.add_kind(kind);
+        }
+        if scope.kind.is_namespace() {
+            body["spec"] = json!({ "finalizers": ["kubernetes"] });
+            body["status"] = json!({ "phase": "Active" });
         }
         let stored = Arc::new(body);
         self.commit(scope.key(), EventType::Added, stored.clone(), None);
@@ -783,8 +796,11 @@ impl State {
             self.commit(scope.key(), EventType::Modified, marked.clone(), Some(old));
             return Ok(render::at_version(&scope.kind, &scope.version, &marked));
         }
-        if scope.kind.group == "apiextensions.k8s.io" {
+        if scope.kind.is_crd() {
             self.remove_crd_kind(&old);
+        }
+        if scope.kind.is_namespace() {
+            self.empty_namespace(name);
         }
         let rv = self.next_rv();
         let mut gone = (*old).clone();
@@ -858,9 +874,7 @@ impl State {
         body: &Value,
         old: Option<&Arc<Value>>,
     ) -> Result<Option<Kind>> {
-        if scope.kind.group != "apiextensions.k8s.io"
-            || scope.kind.plural != "customresourcedefinitions"
-        {
+        if !scope.kind.is_crd() {
             return Ok(None);
         }
         let kind = Kind::from_crd(body).map_err(|causes| {
@@ -896,23 +910,45 @@ impl State {
             return;
         };
         let key: ResKey = (group.to_string(), plural.to_string());
-        let doomed: Vec<Arc<Value>> = self.objects(&key).map(|(_, o)| o.clone()).collect();
-        for old in doomed {
-            let rv = self.next_rv();
-            let mut gone = (*old).clone();
-            gone["metadata"]["resourceVersion"] = json!(rv.to_string());
-            self.commit(key.clone(), EventType::Deleted, Arc::new(gone), Some(old));
-        }
+        self.delete_where(|res, _| *res == key);
         self.watchers.retain(|_, w| w.res != key);
         self.kinds.remove(&key);
         self.objects.remove(&key);
+    }
+
+    /// Deleting a namespace deletes everything in it, as the namespace controller does.
+    fn empty_namespace(&mut self, ns: &str) {
+        self.delete_where(|_, (obj_ns, _)| obj_ns == ns);
+    }
+
+    /// Deletes every object whose kind and key match, one DELETED event each.
+    fn delete_where(&mut self, doomed: impl Fn(&ResKey, &ObjKey) -> bool) {
+        let victims: Vec<(ResKey, Arc<Value>)> = self
+            .objects
+            .iter()
+            .flat_map(|(res, objs)| objs.iter().map(move |(k, o)| (res, k, o)))
+            .filter(|(res, k, _)| doomed(res, k))
+            .map(|(res, _, o)| (res.clone(), o.clone()))
+            .collect();
+        for (res, old) in victims {
+            self.next_rv();
+            let mut gone = (*old).clone();
+            gone["metadata"]["resourceVersion"] = json!(self.rv.to_string());
+            self.commit(res, EventType::Deleted, Arc::new(gone), Some(old));
+        }
+    }
+
+    /// Whether a namespace of this name exists.
+    pub(crate) fn namespace_exists(&self, ns: &str) -> bool {
+        self.objects
+            .get(&(String::new(), "namespaces".to_string()))
+            .is_some_and(|n| n.contains_key(&(String::new(), ns.to_string())))
     }
 
     // === watches ===
 
     /// Opens a watch: returns the initial lines and registers the watcher for live events,
     /// under one lock, so the two neither overlap nor leave a gap.
-    #[allow(clippy::too_many_arguments)]
     pub(crate) fn watch(
         &mut self,
         scope: &Scope,
@@ -920,7 +956,7 @@ impl State {
         format: Format,
         info: WatchInfo,
         watch_list_enabled: bool,
-    ) -> Result<(VecDeque<Bytes>, Option<(u64, mpsc::Receiver<Bytes>)>)> {
+    ) -> Result<Opened> {
         validate_watch(opts, watch_list_enabled)?;
         let key = scope.key();
         let now = Instant::now();
@@ -937,7 +973,12 @@ impl State {
             tx,
             info,
             deadline: now + timeout,
-            next_bookmark: now + self.bookmark_every,
+            // The real cacher also sends one two seconds before the deadline.
+            next_bookmark: (now + self.bookmark_every).min(
+                (now + timeout)
+                    .checked_sub(Duration::from_secs(2))
+                    .unwrap_or(now),
+            ),
         };
         let mut initial = VecDeque::new();
         let send_initial = opts.send_initial_events == Some(true);
@@ -968,7 +1009,10 @@ impl State {
                         self.floor
                     ));
                     initial.push_back(error_line(&status));
-                    return Ok((initial, None));
+                    return Ok(Opened {
+                        initial,
+                        live: None,
+                    });
                 }
                 for ev in self.history.iter().filter(|e| e.rv > n && e.res == key) {
                     if let Some(line) = project(&self.kinds, &watcher, ev) {
@@ -980,7 +1024,10 @@ impl State {
         let id = self.next_watcher;
         self.next_watcher += 1;
         self.watchers.insert(id, watcher);
-        Ok((initial, Some((id, rx))))
+        Ok(Opened {
+            initial,
+            live: Some((id, rx)),
+        })
     }
 
     /// Sends a BOOKMARK at the current resourceVersion to watchers that asked for them and are
@@ -1035,6 +1082,13 @@ impl State {
     pub(crate) fn watch_infos(&self) -> Vec<WatchInfo> {
         self.watchers.values().map(|w| w.info.clone()).collect()
     }
+}
+
+/// A newly opened watch: the lines to write first and, unless the watch ends after them, the
+/// watcher's id and its live feed.
+pub(crate) struct Opened {
+    pub(crate) initial: VecDeque<Bytes>,
+    pub(crate) live: Option<(u64, mpsc::Receiver<Bytes>)>,
 }
 
 /// A patch, by content type.

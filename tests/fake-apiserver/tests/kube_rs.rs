@@ -341,14 +341,38 @@ async fn lists_page_and_honour_resource_version_semantics_and_selectors() {
         f["metadata"]["labels"] = json!({ "tier": if i % 2 == 0 { "even" } else { "odd" } });
         api.create(&pp, &dynamic(f)).await.unwrap();
     }
-    api.create(&pp, &dynamic(flag("other", "elsewhere", "on")))
+    let rv_after_five = fake.current_rv();
+    let err = api
+        .create(&pp, &dynamic(flag("other", "elsewhere", "on")))
         .await
         .unwrap_err();
-    featureflags(&client, "other")
+    assert!(
+        matches!(&err, kube::Error::Api(s) if s.code == 400),
+        "{err:?}"
+    );
+    let other = featureflags(&client, "other");
+    let err = other
+        .create(&pp, &dynamic(flag("other", "elsewhere", "on")))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, kube::Error::Api(s) if s.code == 404 && s.message == "namespaces \"other\" not found"),
+        "{err:?}"
+    );
+    let namespaces: Api<k8s_openapi::api::core::v1::Namespace> = Api::all(client.clone());
+    let ns = serde_json::from_value(
+        json!({ "apiVersion": "v1", "kind": "Namespace", "metadata": { "name": "other" } }),
+    )
+    .unwrap();
+    let ns = namespaces
+        .create(&pp, &ns)
+        .await
+        .expect("create a namespace");
+    assert_eq!(ns.status.and_then(|s| s.phase).as_deref(), Some("Active"));
+    other
         .create(&pp, &dynamic(flag("other", "elsewhere", "on")))
         .await
         .unwrap();
-    let rv_after_five = fake.current_rv() - 1;
 
     // Paging: 2 + 2 + 1, one snapshot resourceVersion, continue tokens, remaining counts.
     let page1 = api.list(&ListParams::default().limit(2)).await.unwrap();
@@ -804,6 +828,21 @@ async fn timeout_seconds_ends_the_watch_cleanly_and_kube_rewatches() {
     let started = tokio::time::Instant::now();
     assert_eq!(lines.next().await.unwrap_err(), End::Clean);
     assert!(started.elapsed() >= Duration::from_millis(900));
+
+    // With bookmarks allowed, one comes two seconds before the deadline, then the end.
+    let mut lines = Lines::open(
+        &fake,
+        &format!("{NS_PATH}?watch=true&timeoutSeconds=3&allowWatchBookmarks=true"),
+    )
+    .await;
+    let started = tokio::time::Instant::now();
+    assert_eq!(lines.next().await.expect("a bookmark")["type"], "BOOKMARK");
+    let at = started.elapsed();
+    assert!(
+        at >= Duration::from_millis(800) && at < Duration::from_millis(1800),
+        "{at:?}"
+    );
+    assert_eq!(lines.next().await.unwrap_err(), End::Clean);
 
     let (mut rx, _task) = drive(api.clone(), watcher::Config::default().timeout(1));
     until_init_done(&mut rx).await;

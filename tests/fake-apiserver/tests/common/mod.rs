@@ -84,15 +84,13 @@ impl Raw {
 }
 
 async fn send(
-    fake: &FakeApiServer,
+    addr: std::net::SocketAddr,
     method: &str,
     path: &str,
     content_type: Option<&str>,
     body: String,
 ) -> hyper::Response<Incoming> {
-    let stream = tokio::net::TcpStream::connect(fake.addr())
-        .await
-        .expect("connect");
+    let stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
     let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
         .await
         .expect("handshake");
@@ -100,7 +98,7 @@ async fn send(
     let mut request = hyper::Request::builder()
         .method(method)
         .uri(path)
-        .header("host", fake.addr().to_string());
+        .header("host", addr.to_string());
     if let Some(ct) = content_type {
         request = request.header("content-type", ct);
     }
@@ -108,9 +106,19 @@ async fn send(
     sender.send_request(request).await.expect("response")
 }
 
-/// Sends one request and reads the whole response.
+/// Sends one request to the fake and reads the whole response.
 pub async fn raw(
     fake: &FakeApiServer,
+    method: &str,
+    path: &str,
+    body: Option<(&str, Value)>,
+) -> Raw {
+    raw_at(fake.addr(), method, path, body).await
+}
+
+/// Sends one request to `addr` and reads the whole response.
+pub async fn raw_at(
+    addr: std::net::SocketAddr,
     method: &str,
     path: &str,
     body: Option<(&str, Value)>,
@@ -119,7 +127,7 @@ pub async fn raw(
         Some((ct, v)) => (Some(ct), v.to_string()),
         None => (None, String::new()),
     };
-    let response = send(fake, method, path, ct, text).await;
+    let response = send(addr, method, path, ct, text).await;
     let status = response.status().as_u16();
     let headers = response.headers().clone();
     let bytes = response
@@ -154,7 +162,12 @@ pub struct Lines {
 impl Lines {
     /// Opens a raw watch request.
     pub async fn open(fake: &FakeApiServer, path: &str) -> Lines {
-        let response = send(fake, "GET", path, None, String::new()).await;
+        Self::open_at(fake.addr(), path).await
+    }
+
+    /// Opens a raw watch request to `addr`.
+    pub async fn open_at(addr: std::net::SocketAddr, path: &str) -> Lines {
+        let response = send(addr, "GET", path, None, String::new()).await;
         Lines {
             status: response.status().as_u16(),
             body: response.into_body(),
