@@ -1,3 +1,10 @@
-//! The crd-broker binary (built out in the core broker issue).
+//! The `crd-broker` binary.
 
-fn main() {}
+#![warn(clippy::unwrap_used)]
+
+use clap::Parser;
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    crd_broker::config::Cli::parse().run().await
+}

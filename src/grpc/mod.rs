@@ -1,0 +1,242 @@
+//! The gRPC face of the broker: the native `crdbroker.v1.Broker` service, and the one mapping
+//! of errors to `tonic::Status`.
+
+use std::pin::Pin;
+use std::sync::Arc;
+
+use futures::stream::{self, BoxStream, Stream, StreamExt};
+use tokio_util::sync::CancellationToken;
+use tonic::{Request, Response, Status};
+
+use crate::pb;
+use crate::pb::broker_server::{Broker, BrokerServer};
+use crate::pb::subscribe_response::Event;
+use crate::registry::{Registry, State, Subscription, Update};
+use crate::selector::{KindRef, ParseError, Selector};
+use crate::source::{Source, SourceError};
+
+pub mod frame;
+
+use frame::Frame;
+
+/// The most resources one Subscribe may name.
+pub const MAX_RESOURCES: usize = 100;
+
+/// Which [`Update::wire`] slot holds the native protocol's encoding.
+const NATIVE_WIRE: usize = 0;
+
+/// The status a source error becomes, for the resource at `index`.
+pub fn source_status(index: usize, error: &SourceError) -> Status {
+    let message = format!("resources[{index}]: {error}");
+    match error {
+        SourceError::UnknownKind(_) => Status::not_found(message),
+        SourceError::NotAllowed(_) | SourceError::Forbidden(_) => {
+            Status::permission_denied(message)
+        }
+        SourceError::Invalid(_) => Status::invalid_argument(message),
+        SourceError::Unavailable(_) => Status::unavailable(message),
+    }
+}
+
+fn parse_status(index: usize, error: &ParseError) -> Status {
+    Status::invalid_argument(format!("resources[{index}]: {error}"))
+}
+
+/// The status a stream ends with when the broker drops it: clients reconnect on UNAVAILABLE.
+pub fn shutting_down() -> Status {
+    Status::unavailable("the broker is shutting down; reconnect")
+}
+
+/// Reads a request's resource reference into a selector, validating every field.
+fn to_selector(index: usize, r: &pb::ResourceRef) -> Result<Selector, Status> {
+    let input = format!(
+        "group={:?} version={:?} resource={:?} namespace={:?} name={:?}",
+        r.group, r.version, r.resource, r.namespace, r.name
+    );
+    let version = Some(r.version.as_str()).filter(|v| !v.is_empty());
+    let kind = KindRef::new(&r.resource, version, &r.group, &input)
+        .map_err(|e| parse_status(index, &e))?;
+    let namespace = Some(r.namespace.as_str()).filter(|n| !n.is_empty());
+    Selector::new(kind, namespace, &r.name, &input).map_err(|e| parse_status(index, &e))
+}
+
+/// The native Broker service over a registry.
+pub struct BrokerService<S> {
+    registry: Registry<S>,
+    shutdown: CancellationToken,
+}
+
+impl<S: Source> BrokerService<S> {
+    /// A service whose streams end with UNAVAILABLE when `shutdown` is cancelled.
+    pub fn new(registry: Registry<S>, shutdown: CancellationToken) -> Self {
+        BrokerService { registry, shutdown }
+    }
+
+    /// The tonic server for this service.
+    pub fn server(self) -> BrokerServer<Self> {
+        BrokerServer::new(self)
+    }
+}
+
+#[tonic::async_trait]
+impl<S: Source> Broker for BrokerService<S> {
+    type SubscribeStream = BoxStream<'static, Result<Frame, Status>>;
+
+    async fn subscribe(
+        &self,
+        request: Request<pb::SubscribeRequest>,
+    ) -> Result<Response<Self::SubscribeStream>, Status> {
+        let resources = request.into_inner().resources;
+        if resources.is_empty() {
+            return Err(Status::invalid_argument(
+                "SubscribeRequest.resources is empty: name at least one resource (group, resource, namespace, name)",
+            ));
+        }
+        if resources.len() > MAX_RESOURCES {
+            return Err(Status::invalid_argument(format!(
+                "SubscribeRequest names {} resources; at most {MAX_RESOURCES} per stream",
+                resources.len()
+            )));
+        }
+        let selectors = resources
+            .iter()
+            .enumerate()
+            .map(|(i, r)| to_selector(i, r))
+            .collect::<Result<Vec<_>, _>>()?;
+        let resolved =
+            futures::future::join_all(selectors.iter().map(|s| self.registry.resolve(s))).await;
+        let mut canonical = Vec::with_capacity(resolved.len());
+        for (i, r) in resolved.into_iter().enumerate() {
+            canonical.push(r.map_err(|e| source_status(i, &e))?);
+        }
+        let streams: Vec<_> = canonical
+            .iter()
+            .enumerate()
+            .map(|(i, selector)| {
+                let subscription = self.registry.subscribe(selector);
+                resource_stream(i as u32, Arc::from(selector.to_string()), subscription).boxed()
+            })
+            .collect();
+        let shutdown = self.shutdown.clone();
+        let ended = stream::once(async move {
+            shutdown.cancelled().await;
+            Err(shutting_down())
+        });
+        let merged = stream::select(stream::select_all(streams), ended);
+        Ok(Response::new(until_error(merged).boxed()))
+    }
+}
+
+/// Ends a stream after its first error (tonic stops there too; this makes it explicit).
+fn until_error<T>(
+    s: impl Stream<Item = Result<T, Status>> + Send + 'static,
+) -> impl Stream<Item = Result<T, Status>> + Send + 'static {
+    stream::unfold(
+        (Box::pin(s), false),
+        |(mut s, failed): (Pin<Box<_>>, bool)| async move {
+            if failed {
+                return None;
+            }
+            let item = s.next().await?;
+            let failed = item.is_err();
+            Some((item, (s, failed)))
+        },
+    )
+}
+
+/// What one subscriber last told its client about one resource.
+#[derive(Debug, Clone, Default)]
+pub(crate) enum Sent {
+    /// Nothing yet.
+    #[default]
+    Nothing,
+    /// That the object exists, in this state.
+    Present(Arc<Update>),
+    /// That it does not.
+    Absent,
+}
+
+/// The next event to send, given what was sent and the latest state.
+pub(crate) enum Step {
+    /// Nothing new for this client.
+    Skip,
+    /// Send this event about this object (`None`: ABSENT, no object).
+    Send(Event, Option<Arc<Update>>),
+    /// End the stream with this error.
+    Fail(SourceError),
+}
+
+/// Decides the event for a client that was last told `sent` and now sees `state`; a client that
+/// fell behind skips straight to the newest state.
+pub(crate) fn step(sent: &Sent, state: &State) -> Step {
+    match (state, sent) {
+        (State::Pending, _) => Step::Skip,
+        (State::Failed(e), Sent::Nothing) => Step::Fail(e.clone()),
+        (State::Failed(_), _) => Step::Skip,
+        (State::Present(now), Sent::Present(was)) if Arc::ptr_eq(now, was) => Step::Skip,
+        (State::Present(now), Sent::Present(was)) if now.object.uid == was.object.uid => {
+            if now.object.resource_version == was.object.resource_version {
+                Step::Skip
+            } else {
+                Step::Send(Event::Updated, Some(now.clone()))
+            }
+        }
+        (State::Present(now), _) => Step::Send(Event::Snapshot, Some(now.clone())),
+        (State::Absent { .. }, Sent::Absent) => Step::Skip,
+        (State::Absent { .. }, Sent::Nothing) => Step::Send(Event::Absent, None),
+        (State::Absent { last }, Sent::Present(was)) => Step::Send(
+            Event::Deleted,
+            Some(last.clone().unwrap_or_else(|| was.clone())),
+        ),
+    }
+}
+
+/// The events about one resource for one subscriber: its state at once, then each change.
+fn resource_stream(
+    index: u32,
+    selector: Arc<str>,
+    subscription: Subscription,
+) -> impl Stream<Item = Result<Frame, Status>> + Send + 'static {
+    let state = (subscription, Sent::Nothing, false);
+    stream::unfold(state, move |(mut sub, mut sent, done)| {
+        let selector = selector.clone();
+        async move {
+            if done {
+                return None;
+            }
+            loop {
+                let frame = match step(&sent, &sub.current()) {
+                    Step::Skip => None,
+                    Step::Fail(error) => {
+                        return Some((
+                            Err(source_status(index as usize, &error)),
+                            (sub, sent, true),
+                        ));
+                    }
+                    Step::Send(event, update) => {
+                        let shared = match &update {
+                            Some(u) => u.wire(NATIVE_WIRE, |o| frame::encode_object(&selector, o)),
+                            None => frame::encode_absent(&selector),
+                        };
+                        sent = match (event, update) {
+                            (Event::Deleted | Event::Absent, _) => Sent::Absent,
+                            (_, Some(u)) => Sent::Present(u),
+                            (_, None) => Sent::Absent,
+                        };
+                        Some(Frame {
+                            index,
+                            event,
+                            shared,
+                        })
+                    }
+                };
+                if let Some(frame) = frame {
+                    return Some((Ok(frame), (sub, sent, false)));
+                }
+                if !sub.changed().await {
+                    return Some((Err(shutting_down()), (sub, sent, true)));
+                }
+            }
+        }
+    })
+}

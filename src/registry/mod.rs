@@ -1,0 +1,407 @@
+//! The heart of the broker: one shared, reference-counted watch per custom resource.
+//!
+//! Each resource a client asks for has an entry in a [`DashMap`] keyed by its canonical
+//! [`Selector`]. The entry holds the `tokio::sync::watch` sender of the resource's latest
+//! [`State`]; each subscriber holds a receiver. The receiver count *is* the reference count:
+//! there is no counter to drift.
+//!
+//! The first subscriber creates the entry and spawns its watch task, which drives the source's
+//! stream and publishes each new state with `send_if_modified`. When the last receiver is
+//! dropped the task waits `linger` (a returning subscriber keeps the watch warm), then removes
+//! the entry with `remove_if` — under the map's shard lock, and only if the receiver count is
+//! still zero — and stops the source's watch by dropping its stream. A subscriber takes its
+//! receiver under the same lock (`get`, or `entry` for the first), so a subscribe racing a
+//! teardown either lands on the live entry (and the teardown backs off) or finds none and starts
+//! a new watch: never on one that is going away.
+//!
+//! A `watch` channel holds one value: a subscriber that reads slowly skips to the newest state
+//! and never holds up the task or the other subscribers, and the last state is never lost.
+//! Each state's wire forms are computed once, by the first subscriber that needs them, and
+//! shared by the rest ([`Update::wire`]).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
+use std::time::{Duration, SystemTime};
+
+use bytes::Bytes;
+use dashmap::DashMap;
+use dashmap::mapref::entry::Entry as MapEntry;
+use futures::StreamExt;
+use tokio::sync::watch;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tracing::Instrument;
+
+use crate::selector::Selector;
+use crate::source::{Object, Observed, Source, SourceError};
+
+#[cfg(test)]
+mod tests;
+
+/// The latest state of one resource, as every subscriber sees it.
+#[derive(Debug, Clone, Default)]
+pub enum State {
+    /// The source has not answered yet.
+    #[default]
+    Pending,
+    /// The object exists.
+    Present(Arc<Update>),
+    /// No object has the name; `last` is the state it had when it was deleted, if the broker saw
+    /// it exist.
+    Absent {
+        /// The object's last state before it was deleted.
+        last: Option<Arc<Update>>,
+    },
+    /// The source failed before it could say whether the object exists.
+    Failed(SourceError),
+}
+
+/// How many wire forms an update can carry (one per protocol).
+pub const WIRE_SLOTS: usize = 4;
+
+/// One state of an object, with its wire forms computed at most once each.
+#[derive(Debug)]
+pub struct Update {
+    /// The object.
+    pub object: Object,
+    wire: [OnceLock<Bytes>; WIRE_SLOTS],
+}
+
+impl Update {
+    /// Wraps an object.
+    pub fn new(object: Object) -> Update {
+        Update {
+            object,
+            wire: Default::default(),
+        }
+    }
+
+    /// The wire form in `slot`, encoding it with `encode` the first time it is asked for; every
+    /// later subscriber gets the same bytes.
+    pub fn wire(&self, slot: usize, encode: impl FnOnce(&Object) -> Bytes) -> Bytes {
+        self.wire[slot % WIRE_SLOTS]
+            .get_or_init(|| encode(&self.object))
+            .clone()
+    }
+
+    fn same_version(&self, other: &Object) -> bool {
+        self.object.uid == other.uid && self.object.resource_version == other.resource_version
+    }
+}
+
+/// A subscriber's handle on one resource. Dropping it is unsubscribing.
+#[derive(Debug)]
+pub struct Subscription {
+    rx: watch::Receiver<State>,
+    stats: Arc<Stats>,
+}
+
+impl Subscription {
+    /// The current state, marking it seen.
+    pub fn current(&mut self) -> State {
+        self.rx.borrow_and_update().clone()
+    }
+
+    /// Waits for a state newer than the last one seen; `false` when the watch has ended (the
+    /// broker is shutting down).
+    pub async fn changed(&mut self) -> bool {
+        self.rx.changed().await.is_ok()
+    }
+}
+
+impl Drop for Subscription {
+    fn drop(&mut self) {
+        // The linger clock runs from the last departure, not the first.
+        *self
+            .stats
+            .left
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = Instant::now();
+    }
+}
+
+/// What the registry knows about one watch, for the admin endpoint and tests.
+#[derive(Debug, Clone, PartialEq)]
+pub struct WatchStatus {
+    /// The resource.
+    pub selector: Selector,
+    /// Subscribers now.
+    pub subscribers: usize,
+    /// When the watch started.
+    pub since: SystemTime,
+    /// When the source last reported anything.
+    pub last_event: Option<SystemTime>,
+    /// The object's resourceVersion, if it exists.
+    pub resource_version: Option<String>,
+    /// Errors the source reported since the watch started.
+    pub errors: u64,
+}
+
+#[derive(Debug)]
+struct Stats {
+    id: u64,
+    since: SystemTime,
+    left: Mutex<Instant>,
+    last_event: Mutex<Option<SystemTime>>,
+    errors: AtomicU64,
+}
+
+struct Entry {
+    tx: watch::Sender<State>,
+    stats: Arc<Stats>,
+}
+
+struct Inner<S> {
+    entries: DashMap<Selector, Entry>,
+    source: S,
+    linger: Duration,
+    tasks: TaskTracker,
+    shutdown: CancellationToken,
+    next_id: AtomicU64,
+}
+
+/// Shares one watch per resource among its subscribers. Cheap to clone.
+pub struct Registry<S> {
+    inner: Arc<Inner<S>>,
+}
+
+impl<S> Clone for Registry<S> {
+    fn clone(&self) -> Self {
+        Registry {
+            inner: self.inner.clone(),
+        }
+    }
+}
+
+impl<S: Source> Registry<S> {
+    /// A registry over `source`. Watches linger `linger` after their last subscriber leaves and
+    /// all stop when `shutdown` is cancelled.
+    pub fn new(source: S, linger: Duration, shutdown: CancellationToken) -> Self {
+        Registry {
+            inner: Arc::new(Inner {
+                entries: DashMap::new(),
+                source,
+                linger,
+                tasks: TaskTracker::new(),
+                shutdown,
+                next_id: AtomicU64::new(1),
+            }),
+        }
+    }
+
+    /// The source.
+    pub fn source(&self) -> &S {
+        &self.inner.source
+    }
+
+    /// Resolves a selector to its canonical form through the source.
+    pub async fn resolve(&self, selector: &Selector) -> Result<Selector, SourceError> {
+        self.inner.source.resolve(selector).await
+    }
+
+    /// Subscribes to a resolved selector, starting its watch if nobody watches it yet.
+    pub fn subscribe(&self, selector: &Selector) -> Subscription {
+        if let Some(entry) = self.inner.entries.get(selector) {
+            return Subscription {
+                rx: entry.tx.subscribe(),
+                stats: entry.stats.clone(),
+            };
+        }
+        let (subscription, start) = match self.inner.entries.entry(selector.clone()) {
+            MapEntry::Occupied(e) => (
+                Subscription {
+                    rx: e.get().tx.subscribe(),
+                    stats: e.get().stats.clone(),
+                },
+                None,
+            ),
+            MapEntry::Vacant(v) => {
+                let (tx, rx) = watch::channel(State::Pending);
+                let stats = Arc::new(Stats {
+                    id: self.inner.next_id.fetch_add(1, Ordering::Relaxed),
+                    since: SystemTime::now(),
+                    left: Mutex::new(Instant::now()),
+                    last_event: Mutex::new(None),
+                    errors: AtomicU64::new(0),
+                });
+                v.insert(Entry {
+                    tx: tx.clone(),
+                    stats: stats.clone(),
+                });
+                (
+                    Subscription {
+                        rx,
+                        stats: stats.clone(),
+                    },
+                    Some((tx, stats)),
+                )
+            }
+        };
+        if let Some((tx, stats)) = start {
+            let span = tracing::info_span!("watch", selector = %selector);
+            let task = run_watch(self.inner.clone(), selector.clone(), tx, stats);
+            self.inner.tasks.spawn(task.instrument(span));
+        }
+        subscription
+    }
+
+    /// Watches now open.
+    pub fn len(&self) -> usize {
+        self.inner.entries.len()
+    }
+
+    /// Whether no watch is open.
+    pub fn is_empty(&self) -> bool {
+        self.inner.entries.is_empty()
+    }
+
+    /// Watch tasks still running (a task may outlive its entry by a moment while it stops).
+    pub fn tasks(&self) -> usize {
+        self.inner.tasks.len()
+    }
+
+    /// Waits until every watch task has stopped (after shutdown).
+    pub async fn stopped(&self) {
+        self.inner.tasks.close();
+        self.inner.tasks.wait().await;
+    }
+
+    /// Every open watch, sorted by selector.
+    pub fn watches(&self) -> Vec<WatchStatus> {
+        let mut out: Vec<WatchStatus> = self
+            .inner
+            .entries
+            .iter()
+            .map(|e| {
+                let stats = &e.value().stats;
+                let resource_version = match &*e.value().tx.borrow() {
+                    State::Present(u) => Some(u.object.resource_version.clone()),
+                    _ => None,
+                };
+                WatchStatus {
+                    selector: e.key().clone(),
+                    subscribers: e.value().tx.receiver_count(),
+                    since: stats.since,
+                    last_event: *stats
+                        .last_event
+                        .lock()
+                        .unwrap_or_else(PoisonError::into_inner),
+                    resource_version,
+                    errors: stats.errors.load(Ordering::Relaxed),
+                }
+            })
+            .collect();
+        out.sort_by(|a, b| a.selector.cmp(&b.selector));
+        out
+    }
+}
+
+/// Drives one resource's watch until it is no longer wanted or the broker shuts down.
+async fn run_watch<S: Source>(
+    inner: Arc<Inner<S>>,
+    selector: Selector,
+    tx: watch::Sender<State>,
+    stats: Arc<Stats>,
+) {
+    tracing::debug!("watch started");
+    let mut updates = inner.source.watch(&selector);
+    // Set while nobody is subscribed: when the linger ends.
+    let mut idle_until: Option<Instant> = None;
+    loop {
+        let linger_ends = async {
+            match idle_until {
+                Some(t) => tokio::time::sleep_until(t).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            biased;
+            _ = inner.shutdown.cancelled() => {
+                // Dropping the entry's sender too ends every subscription.
+                inner.entries.remove_if(&selector, |_, e| e.stats.id == stats.id);
+                break;
+            }
+            _ = tx.closed(), if idle_until.is_none() => {
+                idle_until = Some(Instant::now() + inner.linger);
+            }
+            _ = linger_ends => {
+                let left = *stats.left.lock().unwrap_or_else(PoisonError::into_inner);
+                if Instant::now() < left + inner.linger {
+                    // Someone came and went during the linger: it runs from their departure.
+                    idle_until = Some(left + inner.linger);
+                    continue;
+                }
+                let removed = inner.entries.remove_if(&selector, |_, e| {
+                    e.stats.id == stats.id && e.tx.receiver_count() == 0
+                });
+                if removed.is_some() {
+                    break;
+                }
+                idle_until = None;
+            }
+            item = updates.next() => match item {
+                Some(item) => publish(&tx, &stats, item),
+                None => {
+                    // Sources retry by themselves and do not end; if one does, start it again.
+                    tracing::warn!("the source's watch ended; restarting it");
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                    updates = inner.source.watch(&selector);
+                }
+            },
+        }
+    }
+    // Dropping the stream stops the watch at the source (for Kubernetes, closes the request).
+    drop(updates);
+    tracing::debug!("watch stopped");
+}
+
+fn publish(tx: &watch::Sender<State>, stats: &Stats, item: Result<Observed, SourceError>) {
+    *stats
+        .last_event
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner) = Some(SystemTime::now());
+    match item {
+        Ok(Observed::Present(object)) => {
+            tx.send_if_modified(|state| match state {
+                State::Present(u) if u.same_version(&object) => false,
+                _ => {
+                    *state = State::Present(Arc::new(Update::new(object)));
+                    true
+                }
+            });
+        }
+        Ok(Observed::Absent) => {
+            tx.send_if_modified(|state| match state {
+                State::Absent { .. } => false,
+                State::Present(u) => {
+                    *state = State::Absent {
+                        last: Some(u.clone()),
+                    };
+                    true
+                }
+                State::Pending | State::Failed(_) => {
+                    *state = State::Absent { last: None };
+                    true
+                }
+            });
+        }
+        Err(error) => {
+            stats.errors.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(%error, "source error; the source retries");
+            // Only a resource nobody has seen yet is reported as failed; otherwise subscribers
+            // keep the last known state while the source recovers.
+            tx.send_if_modified(|state| match state {
+                State::Pending => {
+                    *state = State::Failed(error);
+                    true
+                }
+                State::Failed(old) if *old != error => {
+                    *state = State::Failed(error);
+                    true
+                }
+                _ => false,
+            });
+        }
+    }
+}

@@ -1,0 +1,359 @@
+//! The one place selectors are parsed, displayed and validated.
+//!
+//! A selector names one custom resource the way kubectl names resources:
+//! `<resource>[.<version>].<group>/<namespace>/<name>`, for example
+//! `featureflags.core.openfeature.dev/default/demo` or, with the version as kubectl writes it,
+//! `featureflags.v1beta1.core.openfeature.dev/default/demo`. For cluster-scoped kinds the
+//! namespace is left out: `<resource>.<group>/<name>`. The resource may be the plural, the
+//! singular, a short name or the kind; resolution against the source (discovery) turns it into
+//! the canonical form, with the plural and the version filled in.
+
+use std::fmt;
+use std::str::FromStr;
+
+/// A kind, as kubectl writes one: `<resource>[.<version>].<group>`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct KindRef {
+    /// Plural, singular, short name or kind, e.g. `featureflags` or `FeatureFlag`.
+    pub resource: String,
+    /// The API version, if given.
+    pub version: Option<String>,
+    /// The API group, e.g. `core.openfeature.dev`.
+    pub group: String,
+}
+
+/// One custom resource: a kind, an optional namespace and a name.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Selector {
+    /// The kind.
+    pub kind: KindRef,
+    /// The namespace; `None` for cluster-scoped kinds.
+    pub namespace: Option<String>,
+    /// The object name.
+    pub name: String,
+}
+
+/// Why a selector is not valid. Not retryable: the input must change.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ParseError {
+    /// Nothing was given.
+    #[error("empty selector: expected {FORMS}")]
+    Empty,
+    /// The text has the wrong number of `/`-separated parts.
+    #[error("selector {0:?} has {1} '/'-separated part(s): expected {FORMS}")]
+    Parts(String, usize),
+    /// A part is empty or malformed.
+    #[error("selector {selector:?}: {part} {value:?} {why}")]
+    Part {
+        /// The whole input.
+        selector: String,
+        /// Which part: `resource`, `version`, `group`, `namespace` or `name`.
+        part: &'static str,
+        /// The offending value.
+        value: String,
+        /// What is wrong with it.
+        why: &'static str,
+    },
+}
+
+/// The accepted forms, for error messages.
+pub const FORMS: &str = "<resource>[.<version>].<group>/<namespace>/<name> (e.g. featureflags.core.openfeature.dev/default/demo), or <resource>[.<version>].<group>/<name> for cluster-scoped kinds";
+
+/// Whether `s` looks like a Kubernetes version: `v1`, `v1beta1`, `v2alpha3`.
+pub fn is_version(s: &str) -> bool {
+    let Some(rest) = s.strip_prefix('v') else {
+        return false;
+    };
+    let digits = rest.chars().take_while(char::is_ascii_digit).count();
+    if digits == 0 || rest.starts_with('0') {
+        return false;
+    }
+    let tail = &rest[digits..];
+    if tail.is_empty() {
+        return true;
+    }
+    let n = tail
+        .strip_prefix("alpha")
+        .or_else(|| tail.strip_prefix("beta"));
+    n.is_some_and(|n| !n.is_empty() && !n.starts_with('0') && n.chars().all(|c| c.is_ascii_digit()))
+}
+
+/// RFC 1123 label: lowercase alphanumerics and `-`, alphanumeric at both ends, at most 63.
+pub fn is_dns_label(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 63
+        && s.bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && !s.starts_with('-')
+        && !s.ends_with('-')
+}
+
+/// RFC 1123 subdomain: dot-separated labels, at most 253 characters.
+pub fn is_dns_subdomain(s: &str) -> bool {
+    !s.is_empty() && s.len() <= 253 && s.split('.').all(is_dns_label)
+}
+
+fn is_resource_word(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 63
+        && s.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
+        && !s.starts_with('-')
+        && !s.ends_with('-')
+}
+
+impl KindRef {
+    /// Validates the parts of a kind; `input` is quoted in errors.
+    pub fn new(
+        resource: &str,
+        version: Option<&str>,
+        group: &str,
+        input: &str,
+    ) -> Result<KindRef, ParseError> {
+        let bad = |part, value: &str, why| ParseError::Part {
+            selector: input.to_string(),
+            part,
+            value: value.to_string(),
+            why,
+        };
+        if !is_resource_word(resource) {
+            return Err(bad(
+                "resource",
+                resource,
+                "must be a plural, singular, short name or kind (letters, digits and '-')",
+            ));
+        }
+        if let Some(v) = version
+            && !is_version(v)
+        {
+            return Err(bad("version", v, "must look like v1, v1beta1 or v2alpha1"));
+        }
+        if !is_dns_subdomain(group) {
+            return Err(bad(
+                "group",
+                group,
+                "must be a lowercase DNS subdomain such as core.openfeature.dev",
+            ));
+        }
+        Ok(KindRef {
+            resource: resource.to_string(),
+            version: version.map(str::to_string),
+            group: group.to_string(),
+        })
+    }
+
+    /// Parses `<resource>[.<version>].<group>`; `input` is quoted in errors.
+    fn parse_in(text: &str, input: &str) -> Result<KindRef, ParseError> {
+        let missing_group = || ParseError::Part {
+            selector: input.to_string(),
+            part: "group",
+            value: String::new(),
+            why: "is missing: write <resource>.<group>, e.g. featureflags.core.openfeature.dev",
+        };
+        let (resource, rest) = text.split_once('.').ok_or_else(missing_group)?;
+        let (version, group) = match rest.split_once('.') {
+            Some((first, group)) if is_version(first) => (Some(first), group),
+            _ => (None, rest),
+        };
+        KindRef::new(resource, version, group, input)
+    }
+}
+
+impl FromStr for KindRef {
+    type Err = ParseError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let s = s.trim();
+        if s.is_empty() {
+            return Err(ParseError::Empty);
+        }
+        KindRef::parse_in(s, s)
+    }
+}
+
+impl fmt::Display for KindRef {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.version {
+            Some(v) => write!(f, "{}.{v}.{}", self.resource, self.group),
+            None => write!(f, "{}.{}", self.resource, self.group),
+        }
+    }
+}
+
+impl Selector {
+    /// Validates the parts of a selector; `input` is quoted in errors.
+    pub fn new(
+        kind: KindRef,
+        namespace: Option<&str>,
+        name: &str,
+        input: &str,
+    ) -> Result<Selector, ParseError> {
+        let bad = |part, value: &str, why| ParseError::Part {
+            selector: input.to_string(),
+            part,
+            value: value.to_string(),
+            why,
+        };
+        if let Some(ns) = namespace
+            && !is_dns_label(ns)
+        {
+            return Err(bad(
+                "namespace",
+                ns,
+                "must be a lowercase RFC 1123 label (letters, digits, '-', at most 63)",
+            ));
+        }
+        if !is_dns_subdomain(name) {
+            return Err(bad(
+                "name",
+                name,
+                "must be a lowercase RFC 1123 subdomain (letters, digits, '-', '.', at most 253)",
+            ));
+        }
+        Ok(Selector {
+            kind,
+            namespace: namespace.map(str::to_string),
+            name: name.to_string(),
+        })
+    }
+}
+
+impl FromStr for Selector {
+    type Err = ParseError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let input = s.trim();
+        if input.is_empty() {
+            return Err(ParseError::Empty);
+        }
+        let parts: Vec<&str> = input.split('/').collect();
+        let (kind, namespace, name) = match parts.as_slice() {
+            [kind, ns, name] => (*kind, Some(*ns), *name),
+            [kind, name] => (*kind, None, *name),
+            _ => return Err(ParseError::Parts(input.to_string(), parts.len())),
+        };
+        let kind = KindRef::parse_in(kind, input)?;
+        Selector::new(kind, namespace, name, input)
+    }
+}
+
+impl fmt::Display for Selector {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.namespace {
+            Some(ns) => write!(f, "{}/{ns}/{}", self.kind, self.name),
+            None => write!(f, "{}/{}", self.kind, self.name),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn parses_the_kubectl_forms() {
+        let s: Selector = "featureflags.core.openfeature.dev/default/demo"
+            .parse()
+            .unwrap();
+        assert_eq!(s.kind.resource, "featureflags");
+        assert_eq!(s.kind.version, None);
+        assert_eq!(s.kind.group, "core.openfeature.dev");
+        assert_eq!(s.namespace.as_deref(), Some("default"));
+        assert_eq!(s.name, "demo");
+
+        let v: Selector = "FeatureFlag.v1beta1.core.openfeature.dev/default/demo"
+            .parse()
+            .unwrap();
+        assert_eq!(v.kind.resource, "FeatureFlag");
+        assert_eq!(v.kind.version.as_deref(), Some("v1beta1"));
+        assert_eq!(v.kind.group, "core.openfeature.dev");
+
+        let cluster: Selector = "widgets.example.com/w1".parse().unwrap();
+        assert_eq!(cluster.namespace, None);
+        assert_eq!(cluster.to_string(), "widgets.example.com/w1");
+    }
+
+    #[test]
+    fn errors_name_the_problem() {
+        let err = |s: &str| s.parse::<Selector>().unwrap_err().to_string();
+        assert!(err("").contains("empty selector"));
+        assert!(err("featureflags/default/demo").contains("group \"\" is missing"));
+        assert!(err("a.b.c/d/e/f").contains("4 '/'-separated part(s)"));
+        assert!(
+            err("featureflags.core.openfeature.dev/Default/demo").contains("namespace \"Default\"")
+        );
+        assert!(err("featureflags.core.openfeature.dev/default/de_mo").contains("name \"de_mo\""));
+        assert!(
+            err("feature_flags.core.openfeature.dev/default/demo")
+                .contains("resource \"feature_flags\"")
+        );
+        assert!(err("featureflags.Core.dev/default/demo").contains("group \"Core.dev\""));
+        assert!(err("featureflags.core.openfeature.dev//demo").contains("namespace \"\""));
+    }
+
+    #[test]
+    fn versions_are_recognised_like_kubectl() {
+        for v in ["v1", "v1beta1", "v2alpha3", "v10"] {
+            assert!(is_version(v), "{v}");
+        }
+        for v in ["v", "v0", "v1beta", "v1gamma1", "version1", "1", "v01"] {
+            assert!(!is_version(v), "{v}");
+        }
+    }
+
+    fn label() -> impl Strategy<Value = String> {
+        "[a-z0-9]([a-z0-9-]{0,10}[a-z0-9])?"
+    }
+
+    fn subdomain() -> impl Strategy<Value = String> {
+        prop::collection::vec(label(), 1..4).prop_map(|l| l.join("."))
+    }
+
+    fn group() -> impl Strategy<Value = String> {
+        // A group whose first label looks like a version would read as one, as in kubectl.
+        (label(), subdomain())
+            .prop_filter("first label is not a version", |(l, _)| !is_version(l))
+            .prop_map(|(l, rest)| format!("{l}.{rest}"))
+    }
+
+    fn selector() -> impl Strategy<Value = Selector> {
+        (
+            "[A-Za-z][A-Za-z0-9]{0,12}",
+            prop::option::of("v[1-9][0-9]?((alpha|beta)[1-9])?"),
+            group(),
+            prop::option::of(label()),
+            subdomain(),
+        )
+            .prop_map(|(resource, version, group, namespace, name)| Selector {
+                kind: KindRef {
+                    resource,
+                    version,
+                    group,
+                },
+                namespace,
+                name,
+            })
+    }
+
+    proptest! {
+        #[test]
+        fn display_and_parse_round_trip(s in selector()) {
+            let text = s.to_string();
+            let back: Selector = text.parse().unwrap();
+            prop_assert_eq!(&back, &s);
+            prop_assert_eq!(back.to_string(), text);
+        }
+
+        #[test]
+        fn parsing_arbitrary_text_never_panics(text in "\\PC{0,80}") {
+            let _ = text.parse::<Selector>();
+        }
+
+        #[test]
+        fn whatever_parses_displays_back_to_an_equal_selector(text in "[a-zA-Z0-9./_-]{0,60}") {
+            if let Ok(s) = text.parse::<Selector>() {
+                prop_assert_eq!(s.to_string().parse::<Selector>().unwrap(), s);
+            }
+        }
+    }
+}
