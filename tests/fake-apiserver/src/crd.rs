@@ -236,6 +236,11 @@ impl Kind {
         }
     }
 
+    /// Whether this is a built-in kind (served by the API server itself, not by a CRD).
+    pub fn is_builtin(&self) -> bool {
+        self.is_crd() || self.is_namespace() || !self.stored
+    }
+
     /// Whether this is the core `Namespace` kind.
     pub fn is_namespace(&self) -> bool {
         self.group.is_empty() && self.plural == "namespaces"

@@ -14,9 +14,10 @@ use crate::Shared;
 use crate::crd::{Kind, version_priority};
 use crate::error::{ApiError, Result};
 
-/// The Kubernetes version the fake reports: within kubectl 1.32's skew, and at kube-rs 5's
-/// minimum supported version.
-pub const VERSION: (&str, &str) = ("1", "33");
+/// The Kubernetes version the fake reports. The machine's kubectl is a dispatcher that runs the
+/// kubectl matching the server's minor version; 1.32 selects kubectl 1.32. (kube-rs 5 does not
+/// check the version; everything it uses is in 1.32.)
+pub const VERSION: (&str, &str) = ("1", "32");
 
 /// A discovery or OpenAPI document.
 #[derive(Debug, Clone, PartialEq)]

@@ -13,7 +13,7 @@ use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
-use serde_json::Value;
+use serde_json::{Value, json};
 use tokio::net::TcpListener;
 use tokio::sync::mpsc;
 use tokio::task::JoinSet;
@@ -22,7 +22,9 @@ use crate::error::{ApiError, Result};
 use crate::faults::{Action, Attributes, RequestRecord};
 use crate::render::{self, Format};
 use crate::selector::{FieldSelector, LabelSelector};
-use crate::store::{ListOpts, Opened, Patch, Scope, WatchInfo, WatchOpts, WriteOpts, Written};
+use crate::store::{
+    Deleted, ListOpts, Opened, Patch, Scope, WatchInfo, WatchOpts, WriteOpts, Written,
+};
 use crate::watch_body::{self, WatchBody};
 use crate::{Shared, admin, discovery, reviews};
 
@@ -348,6 +350,7 @@ async fn resource(
     let write_opts = WriteOpts {
         dry_run: params.get("dryRun") == Some("All"),
         field_validation: params.get("fieldValidation").map(str::to_string),
+        patch: false,
     };
     let name = rp.name.as_deref().unwrap_or("");
     match verb {
@@ -410,6 +413,10 @@ async fn resource(
         }
         "patch" => {
             let patch = read_patch(parts, body, &scope, params).await?;
+            let write_opts = WriteOpts {
+                patch: true,
+                ..write_opts
+            };
             let written = shared
                 .state()
                 .patch(&scope, name, patch, &write_opts, status_only)?;
@@ -421,13 +428,20 @@ async fn resource(
                 || options["dryRun"]
                     .as_array()
                     .is_some_and(|d| d.iter().any(|v| v == "All"));
-            let gone = shared
-                .state()
-                .delete(&scope, name, &options["preconditions"], dry_run)?;
-            Ok(json_response(
-                StatusCode::OK,
-                &render::object(&scope.kind, &scope.version, &gone, &format),
-            ))
+            let deleted =
+                shared
+                    .state()
+                    .delete(&scope, name, &options["preconditions"], dry_run)?;
+            let body = match deleted {
+                // Custom resources answer an immediate delete with a Status, not the object.
+                Deleted::Gone(obj) if !scope.kind.is_builtin() => json!({
+                    "kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success",
+                    "details": { "name": name, "group": scope.kind.group, "kind": scope.kind.plural,
+                                 "uid": obj["metadata"]["uid"] },
+                }),
+                other => render::object(&scope.kind, &scope.version, other.object(), &format),
+            };
+            Ok(json_response(StatusCode::OK, &body))
         }
         "deletecollection" => {
             let opts = ListOpts {

@@ -280,9 +280,11 @@ impl FakeApiServer {
             "customresourcedefinitions",
             None,
         )?;
-        self.shared
+        let deleted = self
+            .shared
             .state()
-            .delete(&scope, name, &Value::Null, false)
+            .delete(&scope, name, &Value::Null, false)?;
+        Ok(deleted.object().clone())
     }
 
     fn scope(
@@ -386,7 +388,7 @@ impl FakeApiServer {
             .object)
     }
 
-    /// Deletes an object.
+    /// Deletes an object; returns its last state (or, while finalizers remain, its marked state).
     pub fn delete(
         &self,
         group_version: &str,
@@ -396,9 +398,11 @@ impl FakeApiServer {
     ) -> Result<Value, ApiError> {
         let (group, version) = group_version.split_once('/').unwrap_or(("", group_version));
         let scope = self.scope(group, version, plural, Some(namespace))?;
-        self.shared
+        let deleted = self
+            .shared
             .state()
-            .delete(&scope, name, &Value::Null, false)
+            .delete(&scope, name, &Value::Null, false)?;
+        Ok(deleted.object().clone())
     }
 
     /// Reads an object.

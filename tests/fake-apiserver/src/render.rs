@@ -53,7 +53,12 @@ impl Format {
                     let include = match include {
                         Some("None") => IncludeObject::None,
                         Some("Object") => IncludeObject::Object,
-                        _ => IncludeObject::Metadata,
+                        None | Some("" | "Metadata") => IncludeObject::Metadata,
+                        Some(other) => {
+                            return Err(ApiError::bad_request(format!(
+                                "unrecognized includeObject value: \"{other}\""
+                            )));
+                        }
                     };
                     return Ok(Format::Table(include));
                 }
@@ -107,9 +112,32 @@ pub fn object(kind: &Kind, version: &str, obj: &Value, format: &Format) -> Value
     }
 }
 
-/// A watch event's object: like [`object`], a Table holding one row for Table watches.
-pub fn watch_object(kind: &Kind, version: &str, obj: &Value, format: &Format) -> Value {
-    object(kind, version, obj, format)
+/// A watch event's object: like [`object`]; for Table watches a Table holding one row, with the
+/// column definitions only in the first event of the watch, as the real server sends them.
+pub fn watch_object(
+    kind: &Kind,
+    version: &str,
+    obj: &Value,
+    format: &Format,
+    first: bool,
+) -> Value {
+    match format {
+        Format::Table(include) => {
+            let mut t = table(
+                kind,
+                version,
+                &[obj],
+                *include,
+                &obj["metadata"]["resourceVersion"],
+                first,
+            );
+            if !first {
+                t["columnDefinitions"] = Value::Null;
+            }
+            t
+        }
+        other => object(kind, version, obj, other),
+    }
 }
 
 /// A list response.

@@ -84,6 +84,8 @@ pub(crate) struct Watcher {
     pub(crate) labels: LabelSelector,
     pub(crate) bookmarks: bool,
     pub(crate) format: Format,
+    /// Whether a Table event with column definitions went out (only the first carries them).
+    pub(crate) columns_sent: bool,
     pub(crate) tx: mpsc::Sender<Bytes>,
     pub(crate) info: WatchInfo,
     pub(crate) deadline: Instant,
@@ -148,8 +150,12 @@ pub struct WatchOpts {
 pub struct WriteOpts {
     /// `dryRun=All`: validate and answer, store nothing.
     pub dry_run: bool,
-    /// `fieldValidation`: `Strict` rejects unknown fields, `Warn` and `Ignore` prune them.
+    /// `fieldValidation`: `Strict` rejects unknown fields, `Warn` (the default) and `Ignore`
+    /// prune them.
     pub field_validation: Option<String>,
+    /// Whether the write is a PATCH, whose strict-decoding errors the real server reports as a
+    /// 422 on the field `patch` rather than a 400.
+    pub patch: bool,
 }
 
 /// The result of a write: the object and any warnings for the `Warning` header.
@@ -757,7 +763,7 @@ impl State {
         name: &str,
         preconditions: &Value,
         dry_run: bool,
-    ) -> Result<Value> {
+    ) -> Result<Deleted> {
         let addr = Addr { scope, name };
         let old = self
             .stored(&addr)
@@ -778,14 +784,22 @@ impl State {
             }
         }
         if dry_run {
-            return Ok(render::at_version(&scope.kind, &scope.version, &old));
+            return Ok(Deleted::Gone(render::at_version(
+                &scope.kind,
+                &scope.version,
+                &old,
+            )));
         }
         let finalizers = old["metadata"]["finalizers"]
             .as_array()
             .is_some_and(|f| !f.is_empty());
         if finalizers {
             if old["metadata"].get("deletionTimestamp").is_some() {
-                return Ok(render::at_version(&scope.kind, &scope.version, &old));
+                return Ok(Deleted::Marked(render::at_version(
+                    &scope.kind,
+                    &scope.version,
+                    &old,
+                )));
             }
             let mut marked = (*old).clone();
             marked["metadata"]["deletionTimestamp"] = json!(now_rfc3339());
@@ -794,7 +808,11 @@ impl State {
             marked["metadata"]["resourceVersion"] = json!(rv.to_string());
             let marked = Arc::new(marked);
             self.commit(scope.key(), EventType::Modified, marked.clone(), Some(old));
-            return Ok(render::at_version(&scope.kind, &scope.version, &marked));
+            return Ok(Deleted::Marked(render::at_version(
+                &scope.kind,
+                &scope.version,
+                &marked,
+            )));
         }
         if scope.kind.is_crd() {
             self.remove_crd_kind(&old);
@@ -807,7 +825,11 @@ impl State {
         gone["metadata"]["resourceVersion"] = json!(rv.to_string());
         let gone = Arc::new(gone);
         self.commit(scope.key(), EventType::Deleted, gone.clone(), Some(old));
-        Ok(render::at_version(&scope.kind, &scope.version, &gone))
+        Ok(Deleted::Gone(render::at_version(
+            &scope.kind,
+            &scope.version,
+            &gone,
+        )))
     }
 
     /// DELETE on a collection: every matching object, one event each.
@@ -819,8 +841,9 @@ impl State {
             .collect();
         let mut items = Vec::new();
         for name in names {
-            let deleted = self.delete(scope, &name, &Value::Null, false)?;
-            items.push(Arc::new(deleted));
+            let (Deleted::Gone(obj) | Deleted::Marked(obj)) =
+                self.delete(scope, &name, &Value::Null, false)?;
+            items.push(Arc::new(obj));
         }
         let metadata = json!({ "resourceVersion": self.rv.to_string() });
         Ok(render::list(scope, &items, metadata, &Format::Object))
@@ -853,6 +876,14 @@ impl State {
             .map(|f| format!("unknown field \"{}\"", f.trim_start_matches('.')))
             .collect();
         match opts.field_validation.as_deref() {
+            Some("Strict") if !unknown.is_empty() && opts.patch => {
+                let message = format!(
+                    "Invalid value: {:?}: strict decoding error: {}",
+                    body.to_string(),
+                    unknown.join(", ")
+                );
+                Err(ApiError::invalid("", "", &[("patch".into(), message)]))
+            }
             Some("Strict") if !unknown.is_empty() => Err(ApiError::bad_request(format!(
                 "{} in version \"{}\" cannot be handled as a {}: strict decoding error: {}",
                 scope.kind.kind,
@@ -962,7 +993,7 @@ impl State {
         let now = Instant::now();
         let timeout = opts.timeout.unwrap_or(Duration::from_secs(1800));
         let (tx, rx) = mpsc::channel(self.watch_buffer);
-        let watcher = Watcher {
+        let mut watcher = Watcher {
             res: key.clone(),
             version: scope.version.clone(),
             namespace: scope.namespace.clone(),
@@ -970,6 +1001,7 @@ impl State {
             labels: opts.labels.clone(),
             bookmarks: opts.bookmarks,
             format,
+            columns_sent: false,
             tx,
             info,
             deadline: now + timeout,
@@ -986,7 +1018,7 @@ impl State {
             _ if send_initial => {
                 for (_, obj) in self.objects(&key) {
                     if self.in_scope(scope, obj, &opts.fields, &opts.labels) {
-                        initial.push_back(event_line(&self.kinds, &watcher, "ADDED", obj));
+                        initial.push_back(event_line(&self.kinds, &mut watcher, "ADDED", obj));
                     }
                 }
                 if opts.bookmarks {
@@ -996,7 +1028,7 @@ impl State {
             None | Some("") | Some("0") => {
                 for (_, obj) in self.objects(&key) {
                     if self.in_scope(scope, obj, &opts.fields, &opts.labels) {
-                        initial.push_back(event_line(&self.kinds, &watcher, "ADDED", obj));
+                        initial.push_back(event_line(&self.kinds, &mut watcher, "ADDED", obj));
                     }
                 }
             }
@@ -1015,7 +1047,7 @@ impl State {
                     });
                 }
                 for ev in self.history.iter().filter(|e| e.rv > n && e.res == key) {
-                    if let Some(line) = project(&self.kinds, &watcher, ev) {
+                    if let Some(line) = project(&self.kinds, &mut watcher, ev) {
                         initial.push_back(line);
                     }
                 }
@@ -1084,6 +1116,24 @@ impl State {
     }
 }
 
+/// What a delete did.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Deleted {
+    /// The object is gone; its last state.
+    Gone(Value),
+    /// Finalizers remain: the object is marked for deletion; its new state.
+    Marked(Value),
+}
+
+impl Deleted {
+    /// The object, in either case.
+    pub fn object(&self) -> &Value {
+        match self {
+            Deleted::Gone(v) | Deleted::Marked(v) => v,
+        }
+    }
+}
+
 /// A newly opened watch: the lines to write first and, unless the watch ends after them, the
 /// watcher's id and its live feed.
 pub(crate) struct Opened {
@@ -1103,7 +1153,7 @@ pub enum Patch {
 }
 
 /// What a watcher sees of one event: the watch cache's projection through its filter.
-fn project(kinds: &BTreeMap<ResKey, Arc<Kind>>, w: &Watcher, ev: &Event) -> Option<Bytes> {
+fn project(kinds: &BTreeMap<ResKey, Arc<Kind>>, w: &mut Watcher, ev: &Event) -> Option<Bytes> {
     let sees = |o: &Value| {
         w.namespace
             .as_deref()
@@ -1129,11 +1179,17 @@ fn project(kinds: &BTreeMap<ResKey, Arc<Kind>>, w: &Watcher, ev: &Event) -> Opti
     Some(event_line(kinds, w, ty, &ev.obj))
 }
 
-fn event_line(kinds: &BTreeMap<ResKey, Arc<Kind>>, w: &Watcher, ty: &str, obj: &Value) -> Bytes {
+fn event_line(
+    kinds: &BTreeMap<ResKey, Arc<Kind>>,
+    w: &mut Watcher,
+    ty: &str,
+    obj: &Value,
+) -> Bytes {
     let object = match kinds.get(&w.res) {
-        Some(kind) => render::watch_object(kind, &w.version, obj, &w.format),
+        Some(kind) => render::watch_object(kind, &w.version, obj, &w.format, !w.columns_sent),
         None => obj.clone(),
     };
+    w.columns_sent = true;
     line(&json!({ "type": ty, "object": object }))
 }
 

@@ -94,7 +94,7 @@ async fn discovery_serves_crds_installed_at_start_and_at_run_time() {
     let client = client(&fake);
 
     let info = client.apiserver_version().await.expect("/version");
-    assert_eq!((info.major.as_str(), info.minor.as_str()), ("1", "33"));
+    assert_eq!((info.major.as_str(), info.minor.as_str()), ("1", "32"));
 
     let gvk = GroupVersionKind::gvk("core.openfeature.dev", "v1beta1", "FeatureFlag");
     let (ar, caps) = kube::discovery::pinned_kind(&client, &gvk)
@@ -244,6 +244,52 @@ async fn crud_through_api_sets_server_fields_and_answers_real_errors() {
         .expect("json patch");
     assert_eq!(variant(&patched), "on");
     assert_eq!(patched.metadata.generation, Some(3));
+
+    // Strict field validation: unknown fields are a 400 on create, a 422 on patch.
+    let mut typo = flag("default", "typo", "on");
+    typo["spec"]["tyop"] = json!(1);
+    let path = format!("{NS_PATH}?fieldValidation=Strict");
+    let r = raw(&fake, "POST", &path, Some(("application/json", typo))).await;
+    assert_eq!(
+        (r.status, r.json()["reason"].as_str()),
+        (400, Some("BadRequest"))
+    );
+    let message = r.json()["message"].as_str().unwrap_or_default().to_string();
+    assert!(
+        message.ends_with("strict decoding error: unknown field \"spec.tyop\""),
+        "{message}"
+    );
+    let r = raw(
+        &fake,
+        "PATCH",
+        &format!("{NS_PATH}/a?fieldValidation=Strict"),
+        Some((
+            "application/merge-patch+json",
+            json!({ "spec": { "tyop": 1 } }),
+        )),
+    )
+    .await;
+    assert_eq!(
+        (r.status, r.json()["details"]["causes"][0]["field"].as_str()),
+        (422, Some("patch"))
+    );
+    // Without it, unknown fields are pruned with a warning.
+    let r = raw(
+        &fake,
+        "PATCH",
+        &format!("{NS_PATH}/a"),
+        Some((
+            "application/merge-patch+json",
+            json!({ "spec": { "tyop": 1 } }),
+        )),
+    )
+    .await;
+    assert_eq!(r.status, 200);
+    assert_eq!(
+        r.headers["warning"],
+        "299 - \"unknown field \\\"spec.tyop\\\"\""
+    );
+    assert!(r.json()["spec"].get("tyop").is_none());
 
     // A no-op patch writes nothing.
     let before = fake.current_rv();

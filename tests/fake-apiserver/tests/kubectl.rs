@@ -16,6 +16,7 @@ struct Kubectl {
     bin: String,
     kubeconfig: PathBuf,
     cache: PathBuf,
+    home: PathBuf,
     _dir: tempfile::TempDir,
 }
 
@@ -34,13 +35,16 @@ impl Kubectl {
             bin,
             kubeconfig,
             cache: dir.path().join("cache"),
+            home: dir.path().to_path_buf(),
             _dir: dir,
         }
     }
 
     fn command(&self, args: &[&str]) -> Command {
         let mut c = Command::new(&self.bin);
-        c.arg("--kubeconfig")
+        // A fresh HOME: the machine's kubectl dispatcher caches the server version under ~/.kube.
+        c.env("HOME", &self.home)
+            .arg("--kubeconfig")
             .arg(&self.kubeconfig)
             .arg("--cache-dir")
             .arg(&self.cache)
@@ -90,6 +94,14 @@ async fn create_get_apply_patch_delete_with_kubectl() {
     let fake = start().await;
     let k = Kubectl::new(&fake);
     let dir = tempfile::tempdir().unwrap();
+
+    // The machine's kubectl dispatcher picks the kubectl for the server's version: 1.32.
+    let version: Value = serde_json::from_str(&k.ok(&["version", "-o", "json"]).await).unwrap();
+    let client = version["clientVersion"]["gitVersion"]
+        .as_str()
+        .unwrap_or_default();
+    assert!(client.starts_with("v1.32."), "{version}");
+    assert_eq!(version["serverVersion"]["minor"], "32");
 
     // create -f: kubectl reads OpenAPI v3, sees the server validates fields, and asks it to.
     let out = k.ok(&["create", "-f", &manifest("demo.yaml")]).await;
@@ -210,6 +222,24 @@ async fn create_get_apply_patch_delete_with_kubectl() {
             .trim(),
         "featureflag.core.openfeature.dev/demo"
     );
+    // kubectl patch sends no fieldValidation: the server's default (Warn) prunes and warns.
+    let out = k
+        .run(&[
+            "patch",
+            "ff",
+            "demo",
+            "--type",
+            "merge",
+            "-p",
+            r#"{"spec":{"flagSpec":{"tyop":1}}}"#,
+        ])
+        .await;
+    assert!(out.status.success());
+    let warning = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        warning.contains("Warning: unknown field \"spec.flagSpec.tyop\""),
+        "{warning}"
+    );
     let err = k
         .fails(&[
             "patch",
@@ -322,4 +352,70 @@ async fn kubectl_get_watch_streams_changes() {
             .await,
         "kubectl's watch closed"
     );
+}
+
+#[tokio::test]
+async fn kubectl_get_watch_prints_server_side_table_rows() {
+    let fake = start().await;
+    fake.apply(flag("default", "t", "on")).unwrap();
+    let k = Kubectl::new(&fake);
+    let mut command = tokio::process::Command::from(k.command(&["get", "ff", "-w"]));
+    let mut child = command
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("kubectl get -w runs");
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let mut next_line = async || {
+        tokio::time::timeout(Duration::from_secs(10), lines.next_line())
+            .await
+            .expect("kubectl prints within 10 s")
+            .expect("stdout readable")
+            .expect("kubectl is still watching")
+    };
+    let header = next_line().await;
+    assert!(
+        header.starts_with("NAME") && header.contains("AGE"),
+        "{header}"
+    );
+    assert!(next_line().await.starts_with("t "), "the listed row");
+    assert!(
+        fake.wait_for(Duration::from_secs(5), |f| f.open_watches() == 1)
+            .await
+    );
+    let watch = fake
+        .requests()
+        .into_iter()
+        .find(|r| r.verb == "watch")
+        .unwrap();
+    assert!(
+        watch
+            .accept
+            .as_deref()
+            .is_some_and(|a| a.contains("as=Table")),
+        "{watch:?}"
+    );
+    fake.merge_patch(
+        GV,
+        "featureflags",
+        "default",
+        "t",
+        json!({ "metadata": { "labels": { "x": "y" } } }),
+    )
+    .unwrap();
+    assert!(
+        next_line().await.starts_with("t "),
+        "a row per change, columns from the first event"
+    );
+    fake.merge_patch(
+        GV,
+        "featureflags",
+        "default",
+        "t",
+        json!({ "metadata": { "labels": { "x": "z" } } }),
+    )
+    .unwrap();
+    assert!(next_line().await.starts_with("t "));
+    child.kill().await.ok();
 }

@@ -1,0 +1,154 @@
+//! Shared by the end-to-end tests: a fake API server serving the FeatureFlag CRD, a broker on
+//! 127.0.0.1:0 watching it through kube-rs, and gRPC clients.
+
+#![allow(dead_code, missing_docs)]
+
+use std::time::Duration;
+
+use crd_broker::pb;
+use crd_broker::pb::broker_client::BrokerClient;
+use crd_broker::pb::subscribe_response::Event;
+use crd_broker::selector::{KindRef, Selector};
+use crd_broker::server::Running;
+use crd_broker::source::kubernetes::{Kubernetes, READ_TIMEOUT};
+use fake_apiserver::{FakeApiServer, Options};
+use serde_json::{Value, json};
+use tokio::net::TcpListener;
+use tonic::Streaming;
+use tonic::transport::Channel;
+
+pub const CRD: &str = include_str!("../../examples/manifests/featureflag-crd.yaml");
+pub const GV: &str = "core.openfeature.dev/v1beta1";
+pub const NS_PATH: &str = "/apis/core.openfeature.dev/v1beta1/namespaces/default/featureflags";
+pub const WAIT: Duration = Duration::from_secs(10);
+
+pub struct Harness {
+    pub fake: FakeApiServer,
+    pub broker: Running<Kubernetes>,
+}
+
+/// A fake API server with the FeatureFlag CRD and a broker watching it.
+pub async fn start(linger: Duration) -> Harness {
+    start_allowing(linger, vec![]).await
+}
+
+/// As [`start`], with a `--resource` allow-list.
+pub async fn start_allowing(linger: Duration, allowed: Vec<KindRef>) -> Harness {
+    let options = Options::default()
+        .crd_yaml(CRD)
+        .expect("the CRD parses")
+        .bookmark_every(Duration::from_secs(1));
+    let fake = FakeApiServer::start_with(options)
+        .await
+        .expect("the fake starts");
+    let broker = broker_on(&fake, linger, allowed).await;
+    Harness { fake, broker }
+}
+
+/// A broker whose Kubernetes source is the fake, configured as in production.
+pub async fn broker_on(
+    fake: &FakeApiServer,
+    linger: Duration,
+    allowed: Vec<KindRef>,
+) -> Running<Kubernetes> {
+    let mut config = kube::Config::new(fake.url().parse().expect("a URL"));
+    config.read_timeout = Some(READ_TIMEOUT);
+    let client = kube::Client::try_from(config).expect("a kube client");
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("a port");
+    Running::start(listener, Kubernetes::new(client, allowed), linger).expect("the broker starts")
+}
+
+impl Harness {
+    pub async fn client(&self) -> BrokerClient<Channel> {
+        connect(self.broker.addr).await
+    }
+
+    /// Open watches on the fake for the FeatureFlag `name` in `default`.
+    pub fn watches_on(&self, name: &str) -> usize {
+        self.fake
+            .open_watches_on(NS_PATH, Some(&format!("metadata.name={name}")))
+    }
+}
+
+pub async fn connect(addr: std::net::SocketAddr) -> BrokerClient<Channel> {
+    BrokerClient::connect(format!("http://{addr}"))
+        .await
+        .expect("connects")
+}
+
+pub fn flag(name: &str, variant: &str) -> Value {
+    json!({
+        "apiVersion": GV,
+        "kind": "FeatureFlag",
+        "metadata": { "name": name, "namespace": "default" },
+        "spec": { "flagSpec": { "flags": { "f": {
+            "state": "ENABLED",
+            "variants": { "on": true, "off": false, "a": "a", "b": "b" },
+            "defaultVariant": variant,
+        } } } },
+    })
+}
+
+pub fn variant_patch(variant: &str) -> Value {
+    json!({ "spec": { "flagSpec": { "flags": { "f": { "defaultVariant": variant } } } } })
+}
+
+pub fn request(selectors: &[&str]) -> pb::SubscribeRequest {
+    let parsed: Vec<Selector> = selectors
+        .iter()
+        .map(|s| s.parse().expect("a valid selector"))
+        .collect();
+    crd_broker::subscribe::request(&parsed)
+}
+
+pub fn demo(name: &str) -> String {
+    format!("featureflags.core.openfeature.dev/default/{name}")
+}
+
+pub async fn subscribe(
+    client: &mut BrokerClient<Channel>,
+    selectors: &[&str],
+) -> Streaming<pb::SubscribeResponse> {
+    client
+        .subscribe(request(selectors))
+        .await
+        .expect("the subscription is accepted")
+        .into_inner()
+}
+
+/// The next response, within [`WAIT`].
+pub async fn next(stream: &mut Streaming<pb::SubscribeResponse>) -> pb::SubscribeResponse {
+    tokio::time::timeout(WAIT, stream.message())
+        .await
+        .expect("a response within the wait")
+        .expect("no error")
+        .expect("the stream goes on")
+}
+
+/// Reads responses until one satisfies `done`, returning it.
+pub async fn until(
+    stream: &mut Streaming<pb::SubscribeResponse>,
+    done: impl Fn(&pb::SubscribeResponse) -> bool,
+) -> pb::SubscribeResponse {
+    loop {
+        let r = next(stream).await;
+        if done(&r) {
+            return r;
+        }
+    }
+}
+
+pub fn object(r: &pb::SubscribeResponse) -> Value {
+    serde_json::from_slice(&r.object).expect("the object is JSON")
+}
+
+pub fn variant(r: &pb::SubscribeResponse) -> String {
+    object(r)["spec"]["flagSpec"]["flags"]["f"]["defaultVariant"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string()
+}
+
+pub fn is(r: &pb::SubscribeResponse, event: Event, variant_wanted: &str) -> bool {
+    r.event() == event && variant(r) == variant_wanted
+}
