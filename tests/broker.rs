@@ -7,7 +7,6 @@ use std::time::Duration;
 
 use crd_broker::pb::subscribe_response::Event;
 use fake_apiserver::Matcher;
-use futures::StreamExt;
 use serde_json::json;
 use support::*;
 use tonic::Code;
@@ -210,11 +209,27 @@ async fn an_expired_watch_is_relisted() {
 }
 
 #[tokio::test]
-async fn server_errors_are_retried() {
+async fn watch_errors_and_failed_rewatches_are_retried() {
     ends_on_the_final_state(async |h: &Harness| {
-        h.fake.fail_next(Matcher::verb("list"), 3, 500, None);
-        h.fake.fail_next(Matcher::verb("watch"), 3, 500, None);
+        // An ERROR 500 event, then a 500 at the re-watch: kube backs off and re-watches.
+        h.fake.fail_next(Matcher::verb("watch"), 1, 500, None);
         h.fake.error_watches(500);
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_failed_relist_is_retried() {
+    ends_on_the_final_state(async |h: &Harness| {
+        h.fake.fail_next(Matcher::verb("list"), 1, 500, None);
+        h.fake.compact();
+        h.fake.error_watches(410);
+        assert!(
+            h.fake
+                .wait_for(WAIT, |f| f.request_count("list", NS_PATH) >= 3)
+                .await,
+            "a failed relist, then one that works"
+        );
     })
     .await;
 }
@@ -362,7 +377,7 @@ async fn one_stream_carries_two_kinds_and_a_crd_created_after_start() {
         &[&demo("demo"), "Widget.example.com/default/w"],
     )
     .await;
-    let mut firsts = vec![next(&mut s).await, next(&mut s).await];
+    let mut firsts = [next(&mut s).await, next(&mut s).await];
     firsts.sort_by_key(|r| r.index);
     assert_eq!((firsts[0].index, firsts[0].event()), (0, Event::Snapshot));
     assert_eq!((firsts[1].index, firsts[1].event()), (1, Event::Snapshot));
@@ -526,5 +541,4 @@ async fn shutdown_ends_streams_with_unavailable() {
     stopping.await.unwrap().unwrap();
     assert_eq!(registry.tasks(), 0);
     assert!(h.fake.wait_for(WAIT, |f| f.open_watches() == 0).await);
-    let _ = futures::stream::empty::<()>().next().await;
 }

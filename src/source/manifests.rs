@@ -253,7 +253,8 @@ impl Loader {
                 kind
             })
             .collect();
-        let mut written: HashMap<Key, Value> = HashMap::new();
+        // Sorted, so resourceVersions are handed out in a stable order.
+        let mut written: BTreeMap<Key, Value> = BTreeMap::new();
         for (path, doc) in docs.iter().filter(|(_, d)| !is_crd(d)) {
             match key_of(&kinds, doc) {
                 Ok(key) => {

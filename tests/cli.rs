@@ -1,0 +1,178 @@
+//! The `crd-broker` binary as users run it: `serve --manifests` and `subscribe`, with flags and
+//! environment variables, text and JSON output, and clear errors.
+
+use std::path::Path;
+use std::process::Stdio;
+use std::time::Duration;
+
+use serde_json::Value;
+use tokio::io::{AsyncBufReadExt, BufReader, Lines};
+use tokio::process::{Child, ChildStdout, Command};
+
+const BIN: &str = env!("CARGO_BIN_EXE_crd-broker");
+const EXAMPLES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/manifests");
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn copy_examples(to: &Path) {
+    for entry in std::fs::read_dir(EXAMPLES).unwrap() {
+        let path = entry.unwrap().path();
+        std::fs::copy(&path, to.join(path.file_name().unwrap())).unwrap();
+    }
+}
+
+async fn serve(dir: &Path, port: u16) -> Child {
+    // The address through the environment, the rest as flags.
+    let child = Command::new(BIN)
+        .args(["serve", "--manifests"])
+        .arg(dir)
+        .args(["--linger", "0s", "--manifests-poll", "50ms"])
+        .env("CRD_BROKER_GRPC_ADDR", format!("127.0.0.1:{port}"))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("serve starts");
+    let ready = tokio::time::timeout(Duration::from_secs(20), async {
+        while tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .is_err()
+        {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    assert!(ready.is_ok(), "serve listens on the port");
+    child
+}
+
+fn subscribe(port: u16, args: &[&str]) -> (Child, Lines<BufReader<ChildStdout>>) {
+    let mut child = Command::new(BIN)
+        .arg("subscribe")
+        .args(["--server", &format!("http://127.0.0.1:{port}")])
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("subscribe starts");
+    let lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    (child, lines)
+}
+
+async fn line(lines: &mut Lines<BufReader<ChildStdout>>) -> String {
+    tokio::time::timeout(Duration::from_secs(10), lines.next_line())
+        .await
+        .expect("a line within 10 s")
+        .unwrap()
+        .expect("the subscriber is still running")
+}
+
+#[tokio::test]
+async fn serve_manifests_and_subscribe_print_every_change() {
+    let dir = tempfile::tempdir().unwrap();
+    copy_examples(dir.path());
+    let port = free_port();
+    let _server = serve(dir.path(), port).await;
+
+    let (_json_child, mut json_lines) = subscribe(
+        port,
+        &[
+            "--output",
+            "json",
+            "featureflags.core.openfeature.dev/default/demo",
+        ],
+    );
+    let first: Value = serde_json::from_str(&line(&mut json_lines).await).unwrap();
+    assert_eq!(first["event"], "SNAPSHOT");
+    assert_eq!(
+        first["selector"],
+        "featureflags.v1beta1.core.openfeature.dev/default/demo"
+    );
+    assert_eq!(
+        first["object"]["spec"]["flagSpec"]["flags"]["new-checkout"]["defaultVariant"],
+        "off"
+    );
+    assert!(!first["resourceVersion"].as_str().unwrap().is_empty());
+
+    let (_text_child, mut text_lines) = subscribe(port, &["ff.core.openfeature.dev/default/demo"]);
+    let header = line(&mut text_lines).await;
+    assert!(
+        header.starts_with("EVENT") && header.contains("SELECTOR"),
+        "{header}"
+    );
+    let row = line(&mut text_lines).await;
+    assert!(
+        row.starts_with("SNAPSHOT ")
+            && row.contains("featureflags.v1beta1.core.openfeature.dev/default/demo"),
+        "{row}"
+    );
+
+    // Edit the manifest as the README's quickstart does.
+    let path = dir.path().join("demo.yaml");
+    let edited = std::fs::read_to_string(&path).unwrap().replacen(
+        "defaultVariant: \"off\"",
+        "defaultVariant: \"on\"",
+        1,
+    );
+    std::fs::write(&path, edited).unwrap();
+    let update: Value = serde_json::from_str(&line(&mut json_lines).await).unwrap();
+    assert_eq!(update["event"], "UPDATED");
+    assert_eq!(
+        update["object"]["spec"]["flagSpec"]["flags"]["new-checkout"]["defaultVariant"],
+        "on"
+    );
+    assert!(line(&mut text_lines).await.starts_with("UPDATED "));
+}
+
+#[tokio::test]
+async fn subscribe_reports_bad_selectors_and_refusals_clearly() {
+    let out = Command::new(BIN)
+        .args(["subscribe", "featureflags/default/demo"])
+        .output()
+        .await
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("group \"\" is missing"), "{err}");
+
+    let dir = tempfile::tempdir().unwrap();
+    copy_examples(dir.path());
+    let port = free_port();
+    let _server = serve(dir.path(), port).await;
+    let (child, _) = subscribe(port, &["nothings.example.com/default/x"]);
+    let out = child.wait_with_output().await.unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("NotFound") || err.contains("not found") || err.contains("no CRD"),
+        "{err}"
+    );
+}
+
+#[tokio::test]
+async fn serve_fails_clearly_on_a_missing_directory() {
+    let out = Command::new(BIN)
+        .args([
+            "serve",
+            "--manifests",
+            "/nonexistent/manifests",
+            "--grpc-addr",
+            "127.0.0.1:0",
+        ])
+        .output()
+        .await
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("reading the manifests directory /nonexistent/manifests"),
+        "{err}"
+    );
+}
