@@ -101,6 +101,16 @@ fn is_resource_word(s: &str) -> bool {
         && !s.ends_with('-')
 }
 
+/// A [`ParseError::Part`] about `input`.
+fn bad_part(input: &str, part: &'static str, value: &str, why: &'static str) -> ParseError {
+    ParseError::Part {
+        selector: input.to_string(),
+        part,
+        value: value.to_string(),
+        why,
+    }
+}
+
 impl KindRef {
     /// Validates the parts of a kind; `input` is quoted in errors.
     pub fn new(
@@ -109,12 +119,7 @@ impl KindRef {
         group: &str,
         input: &str,
     ) -> Result<KindRef, ParseError> {
-        let bad = |part, value: &str, why| ParseError::Part {
-            selector: input.to_string(),
-            part,
-            value: value.to_string(),
-            why,
-        };
+        let bad = |part, value: &str, why| bad_part(input, part, value, why);
         if !is_resource_word(resource) {
             return Err(bad(
                 "resource",
@@ -143,11 +148,13 @@ impl KindRef {
 
     /// Parses `<resource>[.<version>].<group>`; `input` is quoted in errors.
     fn parse_in(text: &str, input: &str) -> Result<KindRef, ParseError> {
-        let missing_group = || ParseError::Part {
-            selector: input.to_string(),
-            part: "group",
-            value: String::new(),
-            why: "is missing: write <resource>.<group>, e.g. featureflags.core.openfeature.dev",
+        let missing_group = || {
+            bad_part(
+                input,
+                "group",
+                "",
+                "is missing: write <resource>.<group>, e.g. featureflags.core.openfeature.dev",
+            )
         };
         let (resource, rest) = text.split_once('.').ok_or_else(missing_group)?;
         let (version, group) = match rest.split_once('.') {
@@ -187,12 +194,7 @@ impl Selector {
         name: &str,
         input: &str,
     ) -> Result<Selector, ParseError> {
-        let bad = |part, value: &str, why| ParseError::Part {
-            selector: input.to_string(),
-            part,
-            value: value.to_string(),
-            why,
-        };
+        let bad = |part, value: &str, why| bad_part(input, part, value, why);
         if let Some(ns) = namespace
             && !is_dns_label(ns)
         {

@@ -193,17 +193,28 @@ async fn an_aborted_watch_is_resumed() {
     ends_on_the_final_state(async |h: &Harness| h.fake.abort_watches()).await;
 }
 
+/// Compacts the history and sends 410 on the watch, then waits for `lists` LISTs in all.
+async fn expire(h: &Harness, lists: u64) {
+    h.fake.compact();
+    h.fake.error_watches(410);
+    let relisted = h
+        .fake
+        .wait_for(WAIT, |f| f.request_count("list", NS_PATH) >= lists)
+        .await;
+    assert!(relisted, "{lists} lists");
+}
+
 #[tokio::test]
 async fn an_expired_watch_is_relisted() {
+    ends_on_the_final_state(async |h: &Harness| expire(h, 2).await).await;
+}
+
+#[tokio::test]
+async fn a_failed_relist_is_retried() {
     ends_on_the_final_state(async |h: &Harness| {
-        h.fake.compact();
-        h.fake.error_watches(410);
-        assert!(
-            h.fake
-                .wait_for(WAIT, |f| f.request_count("list", NS_PATH) >= 2)
-                .await,
-            "relisted"
-        );
+        h.fake.fail_next(Matcher::verb("list"), 1, 500, None);
+        // The first list, the failed relist, and one that works.
+        expire(h, 3).await;
     })
     .await;
 }
@@ -214,22 +225,6 @@ async fn watch_errors_and_failed_rewatches_are_retried() {
         // An ERROR 500 event, then a 500 at the re-watch: kube backs off and re-watches.
         h.fake.fail_next(Matcher::verb("watch"), 1, 500, None);
         h.fake.error_watches(500);
-    })
-    .await;
-}
-
-#[tokio::test]
-async fn a_failed_relist_is_retried() {
-    ends_on_the_final_state(async |h: &Harness| {
-        h.fake.fail_next(Matcher::verb("list"), 1, 500, None);
-        h.fake.compact();
-        h.fake.error_watches(410);
-        assert!(
-            h.fake
-                .wait_for(WAIT, |f| f.request_count("list", NS_PATH) >= 3)
-                .await,
-            "a failed relist, then one that works"
-        );
     })
     .await;
 }

@@ -52,6 +52,18 @@ impl Kubectl {
         c
     }
 
+    /// Starts a long-running kubectl (`get -w`) whose output is read line by line.
+    fn watch(&self, args: &[&str]) -> Watching {
+        let mut child = tokio::process::Command::from(self.command(args))
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("kubectl get -w runs");
+        let lines = BufReader::new(child.stdout.take().expect("stdout")).lines();
+        Watching { child, lines }
+    }
+
     async fn run(&self, args: &[&str]) -> Output {
         let mut command = tokio::process::Command::from(self.command(args));
         command.output().await.expect("kubectl runs")
@@ -71,6 +83,35 @@ impl Kubectl {
         let out = self.run(args).await;
         assert!(!out.status.success(), "kubectl {args:?} should fail");
         String::from_utf8_lossy(&out.stderr).into_owned()
+    }
+}
+
+/// A running `kubectl get -w`.
+struct Watching {
+    child: tokio::process::Child,
+    lines: tokio::io::Lines<BufReader<tokio::process::ChildStdout>>,
+}
+
+impl Watching {
+    async fn line(&mut self) -> String {
+        tokio::time::timeout(Duration::from_secs(10), self.lines.next_line())
+            .await
+            .expect("kubectl prints within 10 s")
+            .expect("stdout readable")
+            .expect("kubectl is still watching")
+    }
+
+    /// kubectl prints one pretty JSON object per event: read up to its closing brace.
+    async fn object(&mut self) -> Value {
+        let mut text = String::new();
+        loop {
+            let line = self.line().await;
+            text.push_str(&line);
+            text.push('\n');
+            if line == "}" {
+                return serde_json::from_str(&text).expect("an object");
+            }
+        }
     }
 }
 
@@ -293,32 +334,8 @@ async fn kubectl_get_watch_streams_changes() {
     let fake = start().await;
     fake.apply(flag("default", "w", "on")).unwrap();
     let k = Kubectl::new(&fake);
-    let mut command =
-        tokio::process::Command::from(k.command(&["get", "ff", "w", "-w", "-o", "json"]));
-    let mut child = command
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .expect("kubectl get -w runs");
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    // kubectl prints one pretty JSON object per event; collect whole objects by their closing brace.
-    let mut next_object = async || {
-        let mut text = String::new();
-        loop {
-            let line = tokio::time::timeout(Duration::from_secs(10), lines.next_line())
-                .await
-                .expect("kubectl prints within 10 s")
-                .expect("stdout readable")
-                .expect("kubectl is still watching");
-            text.push_str(&line);
-            text.push('\n');
-            if line == "}" {
-                return serde_json::from_str::<Value>(&text).expect("an object");
-            }
-        }
-    };
-    let first = next_object().await;
+    let mut kubectl = k.watch(&["get", "ff", "w", "-w", "-o", "json"]);
+    let first = kubectl.object().await;
     assert_eq!(
         first["spec"]["flagSpec"]["flags"]["f"]["defaultVariant"],
         "on"
@@ -341,12 +358,12 @@ async fn kubectl_get_watch_streams_changes() {
         json!({ "spec": { "flagSpec": { "flags": { "f": { "defaultVariant": "off" } } } } }),
     )
     .unwrap();
-    let changed = next_object().await;
+    let changed = kubectl.object().await;
     assert_eq!(
         changed["spec"]["flagSpec"]["flags"]["f"]["defaultVariant"],
         "off"
     );
-    child.kill().await.ok();
+    kubectl.child.kill().await.ok();
     assert!(
         fake.wait_for(Duration::from_secs(5), |f| f.open_watches() == 0)
             .await,
@@ -359,27 +376,13 @@ async fn kubectl_get_watch_prints_server_side_table_rows() {
     let fake = start().await;
     fake.apply(flag("default", "t", "on")).unwrap();
     let k = Kubectl::new(&fake);
-    let mut command = tokio::process::Command::from(k.command(&["get", "ff", "-w"]));
-    let mut child = command
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .expect("kubectl get -w runs");
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    let mut next_line = async || {
-        tokio::time::timeout(Duration::from_secs(10), lines.next_line())
-            .await
-            .expect("kubectl prints within 10 s")
-            .expect("stdout readable")
-            .expect("kubectl is still watching")
-    };
-    let header = next_line().await;
+    let mut kubectl = k.watch(&["get", "ff", "-w"]);
+    let header = kubectl.line().await;
     assert!(
         header.starts_with("NAME") && header.contains("AGE"),
         "{header}"
     );
-    assert!(next_line().await.starts_with("t "), "the listed row");
+    assert!(kubectl.line().await.starts_with("t "), "the listed row");
     assert!(
         fake.wait_for(Duration::from_secs(5), |f| f.open_watches() == 1)
             .await
@@ -405,7 +408,7 @@ async fn kubectl_get_watch_prints_server_side_table_rows() {
     )
     .unwrap();
     assert!(
-        next_line().await.starts_with("t "),
+        kubectl.line().await.starts_with("t "),
         "a row per change, columns from the first event"
     );
     fake.merge_patch(
@@ -416,6 +419,6 @@ async fn kubectl_get_watch_prints_server_side_table_rows() {
         json!({ "metadata": { "labels": { "x": "z" } } }),
     )
     .unwrap();
-    assert!(next_line().await.starts_with("t "));
-    child.kill().await.ok();
+    assert!(kubectl.line().await.starts_with("t "));
+    kubectl.child.kill().await.ok();
 }
