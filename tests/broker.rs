@@ -406,87 +406,57 @@ async fn bad_requests_get_specific_statuses_and_others_are_still_served() {
     let mut healthy = subscribe(&mut client, &[&demo("demo")]).await;
     next(&mut healthy).await;
 
-    let status = |r: Result<tonic::Response<tonic::Streaming<_>>, tonic::Status>| r.unwrap_err();
-    let empty = status(
-        client
-            .subscribe(crd_broker::pb::SubscribeRequest::default())
-            .await,
-    );
-    assert_eq!(empty.code(), Code::InvalidArgument);
-    assert!(
-        empty.message().contains("resources is empty"),
-        "{}",
-        empty.message()
-    );
-
-    let mut bad = request(&[&demo("demo")]);
-    bad.resources[0].name = "Not_A_Name".into();
-    let malformed = status(client.subscribe(bad).await);
-    assert_eq!(malformed.code(), Code::InvalidArgument);
-    assert!(
-        malformed.message().contains("resources[0]")
-            && malformed.message().contains("name \"Not_A_Name\""),
-        "{}",
-        malformed.message()
-    );
-
-    let mut no_group = request(&[&demo("demo")]);
-    no_group.resources[0].group.clear();
-    let missing = status(client.subscribe(no_group).await);
-    assert_eq!(missing.code(), Code::InvalidArgument);
-    assert!(missing.message().contains("group"), "{}", missing.message());
-
-    let unknown = status(
-        client
-            .subscribe(request(&["featureflagz.core.openfeature.dev/default/demo"]))
-            .await,
-    );
-    assert_eq!(unknown.code(), Code::NotFound);
-    assert!(
-        unknown.message().contains("featureflagz"),
-        "{}",
-        unknown.message()
-    );
-
-    let no_group_served = status(
-        client
-            .subscribe(request(&["things.nowhere.example/default/x"]))
-            .await,
-    );
-    assert_eq!(no_group_served.code(), Code::NotFound);
-
-    let disallowed = status(
-        client
-            .subscribe(request(&["secrets.example.com/default/x"]))
-            .await,
-    );
-    assert_eq!(disallowed.code(), Code::PermissionDenied);
-    assert!(
-        disallowed
-            .message()
-            .contains("--resource allows: featureflags.core.openfeature.dev"),
-        "{}",
-        disallowed.message()
-    );
-
-    let cluster = status(
-        client
-            .subscribe(request(&["featureflags.core.openfeature.dev/demo"]))
-            .await,
-    );
-    assert_eq!(cluster.code(), Code::InvalidArgument);
-    assert!(
-        cluster.message().contains("namespaced"),
-        "{}",
-        cluster.message()
-    );
-
-    let mut too_many = request(&[&demo("demo")]);
-    too_many.resources = vec![too_many.resources[0].clone(); 101];
-    assert_eq!(
-        status(client.subscribe(too_many).await).code(),
-        Code::InvalidArgument
-    );
+    let cases: Vec<(crd_broker::pb::SubscribeRequest, Code, &str)> = vec![
+        (
+            Default::default(),
+            Code::InvalidArgument,
+            "resources is empty",
+        ),
+        (
+            with(&demo("demo"), |r| r.name = "Not_A_Name".into()),
+            Code::InvalidArgument,
+            "name \"Not_A_Name\"",
+        ),
+        (
+            with(&demo("demo"), |r| r.group.clear()),
+            Code::InvalidArgument,
+            "group \"\"",
+        ),
+        (
+            request(&["featureflagz.core.openfeature.dev/default/demo"]),
+            Code::NotFound,
+            "featureflagz",
+        ),
+        (
+            request(&["things.nowhere.example/default/x"]),
+            Code::NotFound,
+            "no API group nowhere.example",
+        ),
+        (
+            request(&["secrets.example.com/default/x"]),
+            Code::PermissionDenied,
+            "--resource allows: featureflags.core.openfeature.dev",
+        ),
+        (
+            request(&["featureflags.core.openfeature.dev/demo"]),
+            Code::InvalidArgument,
+            "namespaced",
+        ),
+        (
+            request(&vec![demo("demo").as_str(); 101]),
+            Code::InvalidArgument,
+            "at most 100",
+        ),
+    ];
+    for (req, code, needle) in cases {
+        let status = client.subscribe(req).await.unwrap_err();
+        assert_eq!(status.code(), code, "{}", status.message());
+        assert!(
+            status.message().contains(needle),
+            "{:?} lacks {needle:?}",
+            status.message()
+        );
+    }
 
     // The broker keeps serving the stream that was already open, and new ones.
     h.fake
@@ -495,6 +465,16 @@ async fn bad_requests_get_specific_statuses_and_others_are_still_served() {
     assert!(is(&next(&mut healthy).await, Event::Updated, "off"));
     let mut again = subscribe(&mut client, &[&demo("demo")]).await;
     assert!(is(&next(&mut again).await, Event::Snapshot, "off"));
+}
+
+/// A request for one selector, with one field changed.
+fn with(
+    selector: &str,
+    change: impl FnOnce(&mut crd_broker::pb::ResourceRef),
+) -> crd_broker::pb::SubscribeRequest {
+    let mut r = request(&[selector]);
+    change(&mut r.resources[0]);
+    r
 }
 
 #[tokio::test]
