@@ -1,38 +1,106 @@
 //! Generates the protobuf types and clients with prost (through protox, so no protoc is
-//! needed), and the Broker server with a pass-through codec for pre-encoded responses
-//! (see `src/grpc/frame.rs`).
+//! needed), and the servers whose streams write pre-encoded responses through a pass-through
+//! codec (see `src/grpc/frame.rs` and ADR 0007).
 
 use std::path::PathBuf;
 
 use prost::Message;
 use tonic_build::manual::{Builder, Method, Service};
 
+const PROTOS: &[&str] = &[
+    "crdbroker/v1/broker.proto",
+    "flagd/sync/v1/sync.proto",
+    "sync/v1/sync_service.proto",
+];
+
+fn method(name: &str, route: &str, input: &str, output: &str, codec: &str) -> Method {
+    Method::builder()
+        .name(name)
+        .route_name(route)
+        .input_type(input)
+        .output_type(output)
+        .codec_path(codec)
+        .build()
+}
+
+fn streaming(name: &str, route: &str, input: &str, output: &str) -> Method {
+    Method::builder()
+        .name(name)
+        .route_name(route)
+        .input_type(input)
+        .output_type(output)
+        .codec_path("crate::grpc::frame::FrameCodec")
+        .server_streaming()
+        .build()
+}
+
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("cargo:rerun-if-changed=proto");
     let out = PathBuf::from(std::env::var("OUT_DIR")?);
-    let descriptors = protox::compile(["crdbroker/v1/broker.proto"], ["proto"])?;
+    let descriptors = protox::compile(PROTOS, ["proto"])?;
     std::fs::write(
         out.join("crdbroker_descriptor.bin"),
         descriptors.encode_to_vec(),
     )?;
     tonic_prost_build::configure()
         .build_server(false)
-        .bytes(".")
+        .bytes(".crdbroker")
         .compile_fds(descriptors)?;
+
+    let prost = "tonic_prost::ProstCodec";
     let broker = Service::builder()
         .name("Broker")
         .package("crdbroker.v1")
-        .method(
-            Method::builder()
-                .name("subscribe")
-                .route_name("Subscribe")
-                .input_type("crate::pb::SubscribeRequest")
-                .output_type("crate::grpc::frame::Frame")
-                .codec_path("crate::grpc::frame::FrameCodec")
-                .server_streaming()
-                .build(),
-        )
+        .method(streaming(
+            "subscribe",
+            "Subscribe",
+            "crate::pb::SubscribeRequest",
+            "crate::grpc::frame::Frame",
+        ))
         .build();
-    Builder::new().build_client(false).compile(&[broker]);
+    let flagd = Service::builder()
+        .name("FlagSyncService")
+        .package("flagd.sync.v1")
+        .method(streaming(
+            "sync_flags",
+            "SyncFlags",
+            "crate::pb::flagd::SyncFlagsRequest",
+            "crate::grpc::frame::Encoded",
+        ))
+        .method(method(
+            "fetch_all_flags",
+            "FetchAllFlags",
+            "crate::pb::flagd::FetchAllFlagsRequest",
+            "crate::pb::flagd::FetchAllFlagsResponse",
+            prost,
+        ))
+        .method(method(
+            "get_metadata",
+            "GetMetadata",
+            "crate::pb::flagd::GetMetadataRequest",
+            "crate::pb::flagd::GetMetadataResponse",
+            prost,
+        ))
+        .build();
+    let legacy = Service::builder()
+        .name("FlagSyncService")
+        .package("sync.v1")
+        .method(streaming(
+            "sync_flags",
+            "SyncFlags",
+            "crate::pb::legacy::SyncFlagsRequest",
+            "crate::grpc::frame::Encoded",
+        ))
+        .method(method(
+            "fetch_all_flags",
+            "FetchAllFlags",
+            "crate::pb::legacy::FetchAllFlagsRequest",
+            "crate::pb::legacy::FetchAllFlagsResponse",
+            prost,
+        ))
+        .build();
+    Builder::new()
+        .build_client(false)
+        .compile(&[broker, flagd, legacy]);
     Ok(())
 }

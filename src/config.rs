@@ -16,6 +16,9 @@ use crate::source::kubernetes::Kubernetes;
 use crate::source::manifests::Manifests;
 use crate::subscribe::{self, Output};
 
+/// How long a watch outlives its last subscriber by default (ADR 0005).
+pub const DEFAULT_LINGER: Duration = Duration::from_secs(30);
+
 /// Shares one Kubernetes watch per custom resource among many gRPC subscribers.
 #[derive(Debug, Parser)]
 #[command(name = "crd-broker", version)]
@@ -24,14 +27,15 @@ pub struct Cli {
     #[command(subcommand)]
     pub command: Command,
     /// Log format (the level comes from RUST_LOG, default info).
-    #[arg(long, env = "CRD_BROKER_LOG_FORMAT", value_enum, default_value_t = LogFormat::Plain, global = true)]
+    #[arg(long, short = 'z', env = "CRD_BROKER_LOG_FORMAT", value_enum, default_value_t = LogFormat::Plain, global = true)]
     pub log_format: LogFormat,
 }
 
 /// Log output formats.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum LogFormat {
-    /// Human-readable lines.
+    /// Human-readable lines (`console`, as flagd-proxy calls it, is the same).
+    #[value(alias = "console")]
     Plain,
     /// One JSON object per line.
     Json,
@@ -44,6 +48,28 @@ pub enum Command {
     Serve(Serve),
     /// Subscribe to resources on a running broker and print every event.
     Subscribe(SubscribeArgs),
+    /// Run as a drop-in for flagd-proxy, as the OpenFeature Operator starts it: the broker on
+    /// the Kubernetes source, gRPC on --port, admin endpoints on --management-port.
+    Start(Start),
+}
+
+/// `crd-broker start`: flagd-proxy's command line.
+#[derive(Debug, Args)]
+pub struct Start {
+    /// The gRPC port (flagd sync, legacy sync and the native API).
+    #[arg(long, short = 'p', env = "PORT", default_value_t = 8015)]
+    pub port: u16,
+    /// The port of the admin endpoints (health, readiness).
+    #[arg(
+        long,
+        short = 'm',
+        env = "CRD_BROKER_MANAGEMENT_PORT",
+        default_value_t = 8016
+    )]
+    pub management_port: u16,
+    /// Debug logging (unless RUST_LOG says otherwise).
+    #[arg(long, short = 'x', env = "CRD_BROKER_DEBUG")]
+    pub debug: bool,
 }
 
 /// `crd-broker serve`.
@@ -52,6 +78,9 @@ pub struct Serve {
     /// Address for the gRPC server.
     #[arg(long, env = "CRD_BROKER_GRPC_ADDR", default_value = "0.0.0.0:8015")]
     pub grpc_addr: SocketAddr,
+    /// Address for the admin HTTP server (liveness, readiness).
+    #[arg(long, env = "CRD_BROKER_ADMIN_ADDR", default_value = "0.0.0.0:8016")]
+    pub admin_addr: SocketAddr,
     /// Serve the CRDs and custom resources in this directory of manifests instead of a
     /// cluster; edits to its files are seen as changes.
     #[arg(long, env = "CRD_BROKER_MANIFESTS", value_name = "DIR")]
@@ -95,10 +124,26 @@ pub struct SubscribeArgs {
 impl Cli {
     /// Runs the command.
     pub async fn run(self) -> anyhow::Result<()> {
-        init_logging(self.log_format);
+        let debug = matches!(&self.command, Command::Start(s) if s.debug);
+        init_logging(self.log_format, if debug { "debug" } else { "info" });
         match self.command {
             Command::Serve(serve) => serve.run().await,
             Command::Subscribe(s) => subscribe::run(s.server, s.output, s.selectors).await,
+            Command::Start(start) => start.serve().run().await,
+        }
+    }
+}
+
+impl Start {
+    /// The `serve` this stands for: all interfaces, the Kubernetes source, the default linger.
+    pub fn serve(&self) -> Serve {
+        Serve {
+            grpc_addr: SocketAddr::from(([0, 0, 0, 0], self.port)),
+            admin_addr: SocketAddr::from(([0, 0, 0, 0], self.management_port)),
+            manifests: None,
+            resources: Vec::new(),
+            linger: DEFAULT_LINGER,
+            manifests_poll: Duration::from_millis(250),
         }
     }
 }
@@ -108,6 +153,7 @@ impl Serve {
     pub async fn run(self) -> anyhow::Result<()> {
         let Serve {
             grpc_addr,
+            admin_addr,
             manifests,
             resources,
             linger,
@@ -116,19 +162,22 @@ impl Serve {
         let listener = TcpListener::bind(grpc_addr)
             .await
             .with_context(|| format!("binding the gRPC address {grpc_addr}"))?;
+        let admin = TcpListener::bind(admin_addr)
+            .await
+            .with_context(|| format!("binding the admin address {admin_addr}"))?;
         match manifests {
             Some(dir) => {
                 let source =
                     Manifests::open(&dir, manifests_poll, resources).with_context(|| {
                         format!("reading the manifests directory {}", dir.display())
                     })?;
-                run_until_signal(listener, source, linger).await
+                run_until_signal(listener, admin, source, linger).await
             }
             None => {
                 let source = Kubernetes::infer(resources)
                     .await
                     .context("configuring the Kubernetes client (KUBECONFIG, else in-cluster)")?;
-                run_until_signal(listener, source, linger).await
+                run_until_signal(listener, admin, source, linger).await
             }
         }
     }
@@ -136,19 +185,20 @@ impl Serve {
 
 async fn run_until_signal<S: Source>(
     listener: TcpListener,
+    admin: TcpListener,
     source: S,
     linger: Duration,
 ) -> anyhow::Result<()> {
-    let running = Running::start(listener, source, linger)?;
+    let running = Running::start_with_admin(listener, Some(admin), source, linger)?;
     tracing::info!(addr = %running.addr, linger = ?linger, "crd-broker serving");
     crate::shutdown::signal().await;
     tracing::info!("shutting down");
     running.stop().await
 }
 
-fn init_logging(format: LogFormat) {
+fn init_logging(format: LogFormat, default_level: &str) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_level));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))

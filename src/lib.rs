@@ -17,6 +17,7 @@
 
 #![warn(clippy::unwrap_used)]
 
+pub mod admin;
 pub mod config;
 pub mod grpc;
 pub mod registry;
@@ -26,12 +27,29 @@ pub mod shutdown;
 pub mod source;
 pub mod subscribe;
 
-/// Protobuf types and the generated client (prost) and server (pre-encoded frames).
+/// Protobuf types, the generated clients (prost) and servers (pre-encoded streams).
 #[allow(missing_docs, clippy::all, clippy::pedantic)]
 pub mod pb {
     tonic::include_proto!("crdbroker.v1");
 
     include!(concat!(env!("OUT_DIR"), "/crdbroker.v1.Broker.rs"));
+
+    /// `flagd.sync.v1`: the flagd sync protocol.
+    pub mod flagd {
+        tonic::include_proto!("flagd.sync.v1");
+
+        include!(concat!(
+            env!("OUT_DIR"),
+            "/flagd.sync.v1.FlagSyncService.rs"
+        ));
+    }
+
+    /// `sync.v1`: the legacy flagd sync protocol.
+    pub mod legacy {
+        tonic::include_proto!("sync.v1");
+
+        include!(concat!(env!("OUT_DIR"), "/sync.v1.FlagSyncService.rs"));
+    }
 
     /// The encoded file descriptor set of `proto/`, for gRPC reflection.
     pub const DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("crdbroker_descriptor");

@@ -8,6 +8,9 @@ use tokio_stream::wrappers::TcpListenerStream;
 use tokio_util::sync::CancellationToken;
 
 use crate::grpc::BrokerService;
+use crate::grpc::flagd::{FlagdCore, FlagdService, LegacyService};
+use crate::pb::flagd::flag_sync_service_server::FlagSyncServiceServer;
+use crate::pb::legacy::flag_sync_service_server::FlagSyncServiceServer as LegacyServer;
 use crate::registry::Registry;
 use crate::source::Source;
 
@@ -29,9 +32,27 @@ impl<S: Source> Running<S> {
     /// Starts serving `source` on `listener`; watches linger `linger` after their last
     /// subscriber.
     pub fn start(listener: TcpListener, source: S, linger: Duration) -> anyhow::Result<Self> {
+        Self::start_with_admin(listener, None, source, linger)
+    }
+
+    /// As [`Running::start`], with the admin endpoints on `admin`.
+    pub fn start_with_admin(
+        listener: TcpListener,
+        admin: Option<TcpListener>,
+        source: S,
+        linger: Duration,
+    ) -> anyhow::Result<Self> {
         let addr = listener.local_addr()?;
         let shutdown = CancellationToken::new();
         let registry = Registry::new(source, linger, shutdown.clone());
+        if let Some(admin) = admin {
+            let shutdown = shutdown.clone();
+            tokio::spawn(async move {
+                if let Err(error) = crate::admin::serve(admin, shutdown).await {
+                    tracing::error!(%error, "the admin server failed");
+                }
+            });
+        }
         let task = tokio::spawn(serve(listener, registry.clone(), shutdown.clone()));
         Ok(Running {
             addr,
@@ -61,8 +82,11 @@ pub async fn serve<S: Source>(
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
     let broker = BrokerService::new(registry.clone(), shutdown.clone());
+    let flagd = std::sync::Arc::new(FlagdCore::new(registry.clone(), shutdown.clone()));
     tonic::transport::Server::builder()
         .add_service(broker.server())
+        .add_service(FlagSyncServiceServer::new(FlagdService(flagd.clone())))
+        .add_service(LegacyServer::new(LegacyService(flagd)))
         .serve_with_incoming_shutdown(
             TcpListenerStream::new(listener),
             shutdown.clone().cancelled_owned(),

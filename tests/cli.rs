@@ -32,7 +32,14 @@ async fn serve(dir: &Path, port: u16) -> Child {
     let child = Command::new(BIN)
         .args(["serve", "--manifests"])
         .arg(dir)
-        .args(["--linger", "0s", "--manifests-poll", "50ms"])
+        .args([
+            "--linger",
+            "0s",
+            "--manifests-poll",
+            "50ms",
+            "--admin-addr",
+            "127.0.0.1:0",
+        ])
         .env("CRD_BROKER_GRPC_ADDR", format!("127.0.0.1:{port}"))
         .stdout(Stdio::null())
         .stderr(Stdio::null())
@@ -164,6 +171,8 @@ async fn serve_fails_clearly_on_a_missing_directory() {
             "--manifests",
             "/nonexistent/manifests",
             "--grpc-addr",
+            "127.0.0.1:0",
+            "--admin-addr",
             "127.0.0.1:0",
         ])
         .output()

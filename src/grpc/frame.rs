@@ -1,10 +1,13 @@
-//! Pre-encoded responses and the codec that writes them.
+//! Pre-encoded responses and the codec that writes them (ADR 0007).
 //!
 //! A `SubscribeResponse` is a few per-subscriber fields (`index`, `event`) and a large shared
 //! part (`selector`, `object`, `resource_version`, `uid`). Protobuf decodes a message from the
 //! concatenation of its fields in any order, so the shared part is encoded once per update
 //! ([`crate::registry::Update::wire`]) and each subscriber's frame is the two small fields
-//! followed by those shared bytes. Clients decode it as an ordinary `SubscribeResponse`.
+//! followed by those shared bytes. Clients decode it as an ordinary `SubscribeResponse`. A flagd
+//! `SyncFlagsResponse` has no per-subscriber fields at all: it is sent as [`Encoded`] bytes.
+
+use std::marker::PhantomData;
 
 use bytes::{BufMut, Bytes};
 use prost::Message;
@@ -49,8 +52,18 @@ pub fn encode_absent(selector: &str) -> Bytes {
     .into()
 }
 
-impl Frame {
-    fn encode(&self, dst: &mut impl BufMut) {
+/// A whole message, already encoded.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Encoded(pub Bytes);
+
+/// A response the [`FrameCodec`] can write.
+pub trait WriteFrame: Send + 'static {
+    /// Writes the message's protobuf encoding.
+    fn write(&self, dst: &mut impl BufMut);
+}
+
+impl WriteFrame for Frame {
+    fn write(&self, dst: &mut impl BufMut) {
         if self.index != 0 {
             prost::encoding::uint32::encode(1, &self.index, dst);
         }
@@ -59,20 +72,32 @@ impl Frame {
     }
 }
 
-/// Writes [`Frame`]s and reads `SubscribeRequest`s.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct FrameCodec;
+impl WriteFrame for Encoded {
+    fn write(&self, dst: &mut impl BufMut) {
+        dst.put_slice(&self.0);
+    }
+}
+
+/// Writes pre-encoded responses `E` and reads requests `D` with prost.
+#[derive(Debug)]
+pub struct FrameCodec<E, D>(PhantomData<fn() -> (E, D)>);
+
+impl<E, D> Default for FrameCodec<E, D> {
+    fn default() -> Self {
+        FrameCodec(PhantomData)
+    }
+}
 
 /// The encoder half of [`FrameCodec`].
-#[derive(Debug, Clone, Copy, Default)]
-pub struct FrameEncoder;
+#[derive(Debug)]
+pub struct FrameEncoder<E>(PhantomData<fn() -> E>);
 
-impl Encoder for FrameEncoder {
-    type Item = Frame;
+impl<E: WriteFrame> Encoder for FrameEncoder<E> {
+    type Item = E;
     type Error = Status;
 
-    fn encode(&mut self, item: Frame, dst: &mut EncodeBuf<'_>) -> Result<(), Status> {
-        item.encode(dst);
+    fn encode(&mut self, item: E, dst: &mut EncodeBuf<'_>) -> Result<(), Status> {
+        item.write(dst);
         Ok(())
     }
 
@@ -81,14 +106,14 @@ impl Encoder for FrameEncoder {
     }
 }
 
-impl Codec for FrameCodec {
-    type Encode = Frame;
-    type Decode = pb::SubscribeRequest;
-    type Encoder = FrameEncoder;
-    type Decoder = ProstDecoder<pb::SubscribeRequest>;
+impl<E: WriteFrame, D: prost::Message + Default + Send + 'static> Codec for FrameCodec<E, D> {
+    type Encode = E;
+    type Decode = D;
+    type Encoder = FrameEncoder<E>;
+    type Decoder = ProstDecoder<D>;
 
-    fn encoder(&mut self) -> FrameEncoder {
-        FrameEncoder
+    fn encoder(&mut self) -> FrameEncoder<E> {
+        FrameEncoder(PhantomData)
     }
 
     fn decoder(&mut self) -> Self::Decoder {
@@ -123,7 +148,7 @@ mod tests {
                 shared: shared.clone(),
             };
             let mut buf = Vec::new();
-            frame.encode(&mut buf);
+            frame.write(&mut buf);
             let decoded = pb::SubscribeResponse::decode(buf.as_slice()).unwrap();
             assert_eq!(decoded.index, index);
             assert_eq!(decoded.event(), event);
@@ -141,7 +166,7 @@ mod tests {
             event: Event::Absent,
             shared: encode_absent("x.y.z/a/b"),
         }
-        .encode(&mut buf);
+        .write(&mut buf);
         let decoded = pb::SubscribeResponse::decode(buf.as_slice()).unwrap();
         assert_eq!(
             (decoded.index, decoded.event(), decoded.selector.as_str()),

@@ -15,6 +15,7 @@ use crate::registry::{Registry, State, Subscription, Update};
 use crate::selector::{KindRef, ParseError, Selector};
 use crate::source::{Source, SourceError};
 
+pub mod flagd;
 pub mod frame;
 
 use frame::Frame;
@@ -117,14 +118,24 @@ impl<S: Source> Broker for BrokerService<S> {
                 resource_stream(i as u32, Arc::from(selector.to_string()), subscription).boxed()
             })
             .collect();
-        let shutdown = self.shutdown.clone();
-        let ended = stream::once(async move {
-            shutdown.cancelled().await;
-            Err(shutting_down())
-        });
-        let merged = stream::select(stream::select_all(streams), ended);
-        Ok(Response::new(until_error(merged).boxed()))
+        let merged = stream::select_all(streams);
+        Ok(Response::new(
+            with_shutdown(merged, self.shutdown.clone()).boxed(),
+        ))
     }
+}
+
+/// A response stream that ends with UNAVAILABLE when `shutdown` is cancelled — never with OK,
+/// which some clients never notice — and ends after its first error.
+pub(crate) fn with_shutdown<T: Send + 'static>(
+    s: impl Stream<Item = Result<T, Status>> + Send + 'static,
+    shutdown: CancellationToken,
+) -> impl Stream<Item = Result<T, Status>> + Send + 'static {
+    let ended = stream::once(async move {
+        shutdown.cancelled().await;
+        Err(shutting_down())
+    });
+    until_error(stream::select(s, ended))
 }
 
 /// Ends a stream after its first error (tonic stops there too; this makes it explicit).
@@ -215,7 +226,10 @@ fn resource_stream(
                     }
                     Step::Send(event, update) => {
                         let shared = match &update {
-                            Some(u) => u.wire(NATIVE_WIRE, |o| frame::encode_object(&selector, o)),
+                            Some(u) => {
+                                u.wire(NATIVE_WIRE, |o| frame::encode_object(&selector, o))
+                                    .bytes
+                            }
                             None => frame::encode_absent(&selector),
                         };
                         sent = match (event, update) {

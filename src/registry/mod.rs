@@ -60,12 +60,34 @@ pub enum State {
 /// How many wire forms an update can carry (one per protocol).
 pub const WIRE_SLOTS: usize = 4;
 
+/// An encoded form of an update, with a digest of its bytes for cheap comparisons.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Wire {
+    /// The encoded bytes.
+    pub bytes: Bytes,
+    /// A hash of `bytes`.
+    pub digest: u64,
+}
+
+impl Wire {
+    /// Wraps encoded bytes, hashing them once.
+    pub fn new(bytes: Bytes) -> Wire {
+        use std::hash::{DefaultHasher, Hasher};
+        let mut h = DefaultHasher::new();
+        h.write(&bytes);
+        Wire {
+            digest: h.finish(),
+            bytes,
+        }
+    }
+}
+
 /// One state of an object, with its wire forms computed at most once each.
 #[derive(Debug)]
 pub struct Update {
     /// The object.
     pub object: Object,
-    wire: [OnceLock<Bytes>; WIRE_SLOTS],
+    wire: [OnceLock<Wire>; WIRE_SLOTS],
 }
 
 impl Update {
@@ -79,9 +101,9 @@ impl Update {
 
     /// The wire form in `slot`, encoding it with `encode` the first time it is asked for; every
     /// later subscriber gets the same bytes.
-    pub fn wire(&self, slot: usize, encode: impl FnOnce(&Object) -> Bytes) -> Bytes {
+    pub fn wire(&self, slot: usize, encode: impl FnOnce(&Object) -> Bytes) -> Wire {
         self.wire[slot % WIRE_SLOTS]
-            .get_or_init(|| encode(&self.object))
+            .get_or_init(|| Wire::new(encode(&self.object)))
             .clone()
     }
 

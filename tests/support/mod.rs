@@ -45,17 +45,36 @@ pub async fn start_allowing(linger: Duration, allowed: Vec<KindRef>) -> Harness 
     Harness { fake, broker }
 }
 
-/// A broker whose Kubernetes source is the fake, configured as in production.
+/// A kube client for the fake, configured as the broker's is in production.
+pub fn kube_client(fake: &FakeApiServer) -> kube::Client {
+    let mut config = kube::Config::new(fake.url().parse().expect("a URL"));
+    config.read_timeout = Some(READ_TIMEOUT);
+    kube::Client::try_from(config).expect("a kube client")
+}
+
+/// A broker on `listener` whose Kubernetes source is the fake.
+pub fn broker_at(
+    fake: &FakeApiServer,
+    listener: TcpListener,
+    linger: Duration,
+) -> Running<Kubernetes> {
+    Running::start(listener, Kubernetes::new(kube_client(fake), vec![]), linger)
+        .expect("the broker starts")
+}
+
+/// A broker on 127.0.0.1:0 whose Kubernetes source is the fake.
 pub async fn broker_on(
     fake: &FakeApiServer,
     linger: Duration,
     allowed: Vec<KindRef>,
 ) -> Running<Kubernetes> {
-    let mut config = kube::Config::new(fake.url().parse().expect("a URL"));
-    config.read_timeout = Some(READ_TIMEOUT);
-    let client = kube::Client::try_from(config).expect("a kube client");
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("a port");
-    Running::start(listener, Kubernetes::new(client, allowed), linger).expect("the broker starts")
+    Running::start(
+        listener,
+        Kubernetes::new(kube_client(fake), allowed),
+        linger,
+    )
+    .expect("the broker starts")
 }
 
 impl Harness {

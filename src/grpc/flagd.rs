@@ -1,0 +1,425 @@
+//! The flagd sync protocol: `flagd.sync.v1.FlagSyncService` (SyncFlags, FetchAllFlags,
+//! GetMetadata) and the legacy `sync.v1.FlagSyncService`, over the same registry and watches as
+//! the native API — a drop-in for flagd-proxy.
+//!
+//! What real clients need (see `docs/migrating-from-flagd-proxy.md`): the selector from the
+//! `flagd-selector` header first, then the body; the first message at once; `{"flags":{}}` for
+//! a FeatureFlag that does not exist (so clients become ready and pick it up when it is
+//! created); no repeated identical configurations; no configuration over the clients' 4 MiB
+//! limit; streams never ended with OK; GetMetadata answering OK with its Struct present.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures::stream::{self, BoxStream, Stream, StreamExt};
+use prost::Message;
+use serde_json::Value;
+use tokio_util::sync::CancellationToken;
+use tonic::metadata::MetadataMap;
+use tonic::{Request, Response, Status};
+
+use super::frame::Encoded;
+use super::{shutting_down, source_status, with_shutdown};
+use crate::pb::{flagd, legacy};
+use crate::registry::{Registry, State, Subscription, Wire};
+use crate::selector::{KindRef, Selector};
+use crate::source::Source;
+
+/// The largest message the flagd clients accept (their gRPC receive limit).
+pub const MAX_MESSAGE: usize = 4 * 1024 * 1024;
+
+/// The gRPC metadata key clients send the selector in.
+pub const SELECTOR_HEADER: &str = "flagd-selector";
+
+/// What a missing or deleted FeatureFlag is: no flags. Clients become ready on it.
+pub const NO_FLAGS: &str = r#"{"flags":{}}"#;
+
+/// How long FetchAllFlags waits for a resource nobody watched yet.
+const FETCH_WAIT: Duration = Duration::from_secs(5);
+
+const PREFIX: &str = "core.openfeature.dev/";
+
+/// The accepted selector forms, for error messages.
+const FORMS: &str = "core.openfeature.dev/<namespace>/<name> (a FeatureFlag), in the flagd-selector header or the request's selector field";
+
+/// Which of the two flagd protocols a stream speaks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Protocol {
+    /// `flagd.sync.v1`.
+    Flagd,
+    /// `sync.v1`, whose responses carry `state = SYNC_STATE_ALL`.
+    Legacy,
+}
+
+impl Protocol {
+    /// The [`crate::registry::Update::wire`] slot for this protocol's encoding.
+    fn slot(self) -> usize {
+        match self {
+            Protocol::Flagd => 1,
+            Protocol::Legacy => 2,
+        }
+    }
+
+    /// A SyncFlagsResponse carrying `config`.
+    fn encode(self, config: String) -> Bytes {
+        match self {
+            Protocol::Flagd => flagd::SyncFlagsResponse {
+                flag_configuration: config,
+                sync_context: None,
+            }
+            .encode_to_vec(),
+            Protocol::Legacy => legacy::SyncFlagsResponse {
+                flag_configuration: config,
+                state: legacy::SyncState::All as i32,
+            }
+            .encode_to_vec(),
+        }
+        .into()
+    }
+}
+
+/// The flag configuration of a FeatureFlag: its `spec.flagSpec`, unchanged (`{"flags": …,
+/// "metadata"?, "$evaluators"?}`); no flags if it has none.
+pub fn flag_configuration(object_json: &[u8]) -> String {
+    let object: Value = serde_json::from_slice(object_json).unwrap_or(Value::Null);
+    match object["spec"].get("flagSpec") {
+        Some(spec) if spec.is_object() => spec.to_string(),
+        _ => {
+            let name = &object["metadata"]["name"];
+            tracing::warn!(%name, "FeatureFlag without spec.flagSpec: serving no flags");
+            NO_FLAGS.to_string()
+        }
+    }
+}
+
+/// The FeatureFlag a flagd selector names: the `flagd-selector` header if set, else the body.
+pub fn selector(metadata: &MetadataMap, body: &str) -> Result<Selector, Status> {
+    let header = metadata
+        .get(SELECTOR_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .filter(|v| !v.is_empty());
+    let text = header.unwrap_or(body).trim();
+    let invalid = |why: &str| {
+        Status::invalid_argument(format!(
+            "selector {text:?} {why}; crd-broker accepts {FORMS}"
+        ))
+    };
+    if text.is_empty() {
+        return Err(invalid("is empty"));
+    }
+    if text.starts_with("file:") {
+        return Err(invalid(
+            "names a file: crd-broker does not read files from its own filesystem",
+        ));
+    }
+    let rest = text
+        .strip_prefix(PREFIX)
+        .ok_or_else(|| invalid("is not a FeatureFlag"))?;
+    let (namespace, name) = match rest.split('/').collect::<Vec<_>>().as_slice() {
+        [ns, name] if !ns.is_empty() && !name.is_empty() => (*ns, *name),
+        _ => {
+            return Err(invalid(
+                "must have exactly a namespace and a name after the group",
+            ));
+        }
+    };
+    let kind = KindRef {
+        resource: "featureflags".into(),
+        version: Some("v1beta1".into()),
+        group: "core.openfeature.dev".into(),
+    };
+    Selector::new(kind, Some(namespace), name, text).map_err(|e| invalid(&e.to_string()))
+}
+
+/// The shared core of both flagd services.
+pub struct FlagdCore<S> {
+    registry: Registry<S>,
+    shutdown: CancellationToken,
+    limit: usize,
+}
+
+impl<S: Source> FlagdCore<S> {
+    /// A core over `registry`; streams end with UNAVAILABLE when `shutdown` is cancelled.
+    pub fn new(registry: Registry<S>, shutdown: CancellationToken) -> Self {
+        FlagdCore {
+            registry,
+            shutdown,
+            limit: MAX_MESSAGE,
+        }
+    }
+
+    async fn subscribe(&self, selector: &Selector) -> Result<(Selector, Subscription), Status> {
+        let canonical = self
+            .registry
+            .resolve(selector)
+            .await
+            .map_err(|e| source_status(0, &e))?;
+        let subscription = self.registry.subscribe(&canonical);
+        Ok((canonical, subscription))
+    }
+
+    async fn sync(
+        &self,
+        metadata: &MetadataMap,
+        body: &str,
+        protocol: Protocol,
+    ) -> Result<BoxStream<'static, Result<Encoded, Status>>, Status> {
+        let selector = selector(metadata, body)?;
+        let (canonical, subscription) = self.subscribe(&selector).await?;
+        tracing::debug!(selector = %canonical, ?protocol, "flagd sync stream opened");
+        let name = flag_name(&canonical);
+        let configs = configurations(protocol, name, self.limit, subscription);
+        Ok(with_shutdown(configs, self.shutdown.clone()).boxed())
+    }
+
+    async fn fetch(&self, metadata: &MetadataMap, body: &str) -> Result<String, Status> {
+        let selector = selector(metadata, body)?;
+        let (canonical, mut subscription) = self.subscribe(&selector).await?;
+        let wait = async {
+            loop {
+                match subscription.current() {
+                    State::Pending => {
+                        if !subscription.changed().await {
+                            return Err(shutting_down());
+                        }
+                    }
+                    State::Failed(e) => return Err(source_status(0, &e)),
+                    State::Present(u) => return Ok(flag_configuration(&u.object.json)),
+                    State::Absent { .. } => return Ok(NO_FLAGS.to_string()),
+                }
+            }
+        };
+        let config = tokio::time::timeout(FETCH_WAIT, wait).await.map_err(|_| {
+            Status::unavailable(format!(
+                "no answer from the source for {canonical} within {FETCH_WAIT:?}"
+            ))
+        })??;
+        if config.len() > self.limit {
+            return Err(too_large(&flag_name(&canonical), config.len(), self.limit));
+        }
+        Ok(config)
+    }
+}
+
+/// `namespace/name`, for messages.
+fn flag_name(selector: &Selector) -> String {
+    format!(
+        "{}/{}",
+        selector.namespace.as_deref().unwrap_or_default(),
+        selector.name
+    )
+}
+
+fn too_large(name: &str, size: usize, limit: usize) -> Status {
+    tracing::error!(
+        featureflag = name,
+        size,
+        limit,
+        "flag configuration over the clients' message limit; not sent"
+    );
+    Status::resource_exhausted(format!(
+        "FeatureFlag {name} makes a flag configuration of {size} bytes; flagd clients accept at most {limit} bytes"
+    ))
+}
+
+/// The configurations for one subscriber: at once, then each one that differs from the last sent.
+fn configurations(
+    protocol: Protocol,
+    name: String,
+    limit: usize,
+    subscription: Subscription,
+) -> impl Stream<Item = Result<Encoded, Status>> + Send + 'static {
+    stream::unfold(
+        (subscription, None::<u64>, false),
+        move |(mut sub, mut last, done)| {
+            let name = name.clone();
+            async move {
+                if done {
+                    return None;
+                }
+                loop {
+                    let wire = match sub.current() {
+                        State::Pending => None,
+                        State::Failed(e) if last.is_none() => {
+                            return Some((Err(source_status(0, &e)), (sub, last, true)));
+                        }
+                        State::Failed(_) => None,
+                        State::Present(u) => Some(u.wire(protocol.slot(), |o| {
+                            protocol.encode(flag_configuration(&o.json))
+                        })),
+                        State::Absent { .. } => {
+                            Some(Wire::new(protocol.encode(NO_FLAGS.to_string())))
+                        }
+                    };
+                    if let Some(wire) = wire
+                        && last != Some(wire.digest)
+                    {
+                        if wire.bytes.len() > limit {
+                            return Some((
+                                Err(too_large(&name, wire.bytes.len(), limit)),
+                                (sub, last, true),
+                            ));
+                        }
+                        last = Some(wire.digest);
+                        return Some((Ok(Encoded(wire.bytes)), (sub, last, false)));
+                    }
+                    if !sub.changed().await {
+                        return Some((Err(shutting_down()), (sub, last, true)));
+                    }
+                }
+            }
+        },
+    )
+}
+
+/// `flagd.sync.v1.FlagSyncService`.
+pub struct FlagdService<S>(pub std::sync::Arc<FlagdCore<S>>);
+
+/// `sync.v1.FlagSyncService`.
+pub struct LegacyService<S>(pub std::sync::Arc<FlagdCore<S>>);
+
+#[tonic::async_trait]
+impl<S: Source> flagd::flag_sync_service_server::FlagSyncService for FlagdService<S> {
+    type SyncFlagsStream = BoxStream<'static, Result<Encoded, Status>>;
+
+    async fn sync_flags(
+        &self,
+        request: Request<flagd::SyncFlagsRequest>,
+    ) -> Result<Response<Self::SyncFlagsStream>, Status> {
+        let body = request.get_ref().selector.clone();
+        let stream = self
+            .0
+            .sync(request.metadata(), &body, Protocol::Flagd)
+            .await?;
+        Ok(Response::new(stream))
+    }
+
+    async fn fetch_all_flags(
+        &self,
+        request: Request<flagd::FetchAllFlagsRequest>,
+    ) -> Result<Response<flagd::FetchAllFlagsResponse>, Status> {
+        let config = self
+            .0
+            .fetch(request.metadata(), &request.get_ref().selector)
+            .await?;
+        Ok(Response::new(flagd::FetchAllFlagsResponse {
+            flag_configuration: config,
+        }))
+    }
+
+    async fn get_metadata(
+        &self,
+        _request: Request<flagd::GetMetadataRequest>,
+    ) -> Result<Response<flagd::GetMetadataResponse>, Status> {
+        // Present but empty: the Python provider needs the field, and whatever it holds becomes
+        // evaluation context for every evaluation.
+        Ok(Response::new(flagd::GetMetadataResponse {
+            metadata: Some(prost_types::Struct::default()),
+        }))
+    }
+}
+
+#[tonic::async_trait]
+impl<S: Source> legacy::flag_sync_service_server::FlagSyncService for LegacyService<S> {
+    type SyncFlagsStream = BoxStream<'static, Result<Encoded, Status>>;
+
+    async fn sync_flags(
+        &self,
+        request: Request<legacy::SyncFlagsRequest>,
+    ) -> Result<Response<Self::SyncFlagsStream>, Status> {
+        let body = request.get_ref().selector.clone();
+        let stream = self
+            .0
+            .sync(request.metadata(), &body, Protocol::Legacy)
+            .await?;
+        Ok(Response::new(stream))
+    }
+
+    async fn fetch_all_flags(
+        &self,
+        request: Request<legacy::FetchAllFlagsRequest>,
+    ) -> Result<Response<legacy::FetchAllFlagsResponse>, Status> {
+        let config = self
+            .0
+            .fetch(request.metadata(), &request.get_ref().selector)
+            .await?;
+        Ok(Response::new(legacy::FetchAllFlagsResponse {
+            flag_configuration: config,
+        }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tonic::metadata::MetadataValue;
+
+    fn meta(header: Option<&str>) -> MetadataMap {
+        let mut m = MetadataMap::new();
+        if let Some(h) = header {
+            m.insert(SELECTOR_HEADER, MetadataValue::try_from(h).unwrap());
+        }
+        m
+    }
+
+    #[test]
+    fn the_header_wins_over_the_body() {
+        let s = selector(
+            &meta(Some("core.openfeature.dev/a/one")),
+            "core.openfeature.dev/b/two",
+        )
+        .unwrap();
+        assert_eq!(
+            s.to_string(),
+            "featureflags.v1beta1.core.openfeature.dev/a/one"
+        );
+        let s = selector(&meta(None), "core.openfeature.dev/b/two").unwrap();
+        assert_eq!(
+            s.to_string(),
+            "featureflags.v1beta1.core.openfeature.dev/b/two"
+        );
+    }
+
+    #[test]
+    fn other_selectors_are_invalid_and_name_the_accepted_form() {
+        for bad in [
+            "",
+            "file:/etc/flagd/config.json",
+            "coreXopenfeature.dev/a/b",
+            "core.openfeature.dev/a",
+            "core.openfeature.dev/a/b/c",
+            "core.openfeature.dev/A/b",
+            "flagSetId=x",
+        ] {
+            let status = selector(&meta(None), bad).unwrap_err();
+            assert_eq!(status.code(), tonic::Code::InvalidArgument, "{bad}");
+            assert!(
+                status
+                    .message()
+                    .contains("core.openfeature.dev/<namespace>/<name>"),
+                "{bad}: {}",
+                status.message()
+            );
+        }
+    }
+
+    #[test]
+    fn the_configuration_is_the_flag_spec_unchanged() {
+        let ff = br#"{"metadata":{"name":"x"},"spec":{"flagSpec":{"flags":{"f":{"state":"ENABLED","variants":{"on":true},"defaultVariant":"on","targeting":{}}},"$evaluators":{"e":{"in":[1,[1]]}},"metadata":{"flagSetId":"s"}}}}"#;
+        let config: Value = serde_json::from_str(&flag_configuration(ff)).unwrap();
+        let expected: Value =
+            serde_json::from_slice::<Value>(ff).unwrap()["spec"]["flagSpec"].clone();
+        assert_eq!(config, expected);
+        assert_eq!(flag_configuration(br#"{"spec":{}}"#), NO_FLAGS);
+    }
+
+    #[test]
+    fn legacy_responses_say_all() {
+        let bytes = Protocol::Legacy.encode(NO_FLAGS.into());
+        let r = legacy::SyncFlagsResponse::decode(bytes).unwrap();
+        assert_eq!(r.state(), legacy::SyncState::All);
+        assert_eq!(r.flag_configuration, NO_FLAGS);
+        let r = flagd::SyncFlagsResponse::decode(Protocol::Flagd.encode(NO_FLAGS.into())).unwrap();
+        assert!(r.sync_context.is_none());
+    }
+}

@@ -1,0 +1,397 @@
+//! The flagd sync protocols end to end, with the generated Rust clients: what flagd sidecars and
+//! the OpenFeature providers rely on (the Python provider itself runs in `flagd_providers.rs`).
+
+mod support;
+
+use std::time::Duration;
+
+use crd_broker::pb::flagd::flag_sync_service_client::FlagSyncServiceClient;
+use crd_broker::pb::legacy::flag_sync_service_client::FlagSyncServiceClient as LegacyClient;
+use crd_broker::pb::{flagd, legacy};
+use serde_json::{Value, json};
+use support::*;
+use tonic::Code;
+use tonic::transport::Channel;
+
+const SELECTOR: &str = "core.openfeature.dev/default/demo";
+
+async fn flagd_client(h: &Harness) -> FlagSyncServiceClient<Channel> {
+    FlagSyncServiceClient::connect(format!("http://{}", h.broker.addr))
+        .await
+        .unwrap()
+}
+
+/// A SyncFlags request with the selector in the header, the body, or both.
+fn sync_request(header: Option<&str>, body: &str) -> tonic::Request<flagd::SyncFlagsRequest> {
+    let mut r = tonic::Request::new(flagd::SyncFlagsRequest {
+        provider_id: "test".into(),
+        selector: body.into(),
+    });
+    if let Some(h) = header {
+        r.metadata_mut()
+            .insert("flagd-selector", h.parse().unwrap());
+    }
+    r
+}
+
+async fn config(s: &mut tonic::Streaming<flagd::SyncFlagsResponse>) -> Value {
+    let r = tokio::time::timeout(WAIT, s.message())
+        .await
+        .expect("a message in time")
+        .expect("no error")
+        .expect("open");
+    assert!(r.sync_context.is_none());
+    serde_json::from_str(&r.flag_configuration).expect("the configuration is JSON")
+}
+
+fn flag_spec(h: &Harness, name: &str) -> Value {
+    h.fake.get(GV, "featureflags", "default", name).unwrap()["spec"]["flagSpec"].clone()
+}
+
+#[tokio::test]
+async fn sync_flags_streams_the_flag_spec_and_every_real_change() {
+    let h = start(Duration::from_secs(30)).await;
+    h.fake.apply(flag("demo", "on")).unwrap();
+    let mut client = flagd_client(&h).await;
+    let mut s = client
+        .sync_flags(sync_request(Some(SELECTOR), SELECTOR))
+        .await
+        .unwrap()
+        .into_inner();
+    let first = config(&mut s).await;
+    assert_eq!(first, flag_spec(&h, "demo"), "spec.flagSpec, unchanged");
+    assert_eq!(first["flags"]["f"]["defaultVariant"], "on");
+
+    // A change outside spec.flagSpec (a label) leaves the configuration as it was: nothing is sent.
+    h.fake
+        .merge_patch(
+            GV,
+            "featureflags",
+            "default",
+            "demo",
+            json!({ "metadata": { "labels": { "a": "b" } } }),
+        )
+        .unwrap();
+    h.fake
+        .merge_patch(GV, "featureflags", "default", "demo", variant_patch("off"))
+        .unwrap();
+    assert_eq!(
+        config(&mut s).await["flags"]["f"]["defaultVariant"],
+        "off",
+        "the next message is the real change"
+    );
+
+    // Deleted: no flags; re-created: back.
+    h.fake
+        .delete(GV, "featureflags", "default", "demo")
+        .unwrap();
+    assert_eq!(config(&mut s).await, json!({ "flags": {} }));
+    h.fake.apply(flag("demo", "a")).unwrap();
+    assert_eq!(config(&mut s).await["flags"]["f"]["defaultVariant"], "a");
+    assert_eq!(
+        h.watches_on("demo"),
+        1,
+        "the same watch as the native API would use"
+    );
+}
+
+#[tokio::test]
+async fn a_missing_feature_flag_is_no_flags_at_once_then_its_flags() {
+    let h = start(Duration::from_secs(30)).await;
+    let mut client = flagd_client(&h).await;
+    let mut s = client
+        .sync_flags(sync_request(None, "core.openfeature.dev/default/later"))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        config(&mut s).await,
+        json!({ "flags": {} }),
+        "body-only selector, missing CR"
+    );
+    h.fake.apply(flag("later", "on")).unwrap();
+    assert_eq!(config(&mut s).await["flags"]["f"]["defaultVariant"], "on");
+}
+
+#[tokio::test]
+async fn the_header_selector_wins_and_bad_selectors_are_invalid_argument() {
+    let h = start(Duration::from_secs(30)).await;
+    h.fake.apply(flag("demo", "on")).unwrap();
+    h.fake.apply(flag("other", "off")).unwrap();
+    let mut client = flagd_client(&h).await;
+    let mut s = client
+        .sync_flags(sync_request(
+            Some(SELECTOR),
+            "core.openfeature.dev/default/other",
+        ))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(config(&mut s).await["flags"]["f"]["defaultVariant"], "on");
+
+    for bad in [
+        "file:/etc/flagd/config.json",
+        "",
+        "flagSetId=web",
+        "core.openfeature.dev/default",
+        "featureflags.core.openfeature.dev/default/demo",
+    ] {
+        let status = client
+            .sync_flags(sync_request(None, bad))
+            .await
+            .unwrap_err();
+        assert_eq!(status.code(), Code::InvalidArgument, "{bad:?}");
+        assert!(
+            status
+                .message()
+                .contains("core.openfeature.dev/<namespace>/<name>"),
+            "{}",
+            status.message()
+        );
+    }
+    let status = client
+        .fetch_all_flags(flagd::FetchAllFlagsRequest {
+            provider_id: String::new(),
+            selector: "file:/etc/passwd".into(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::InvalidArgument);
+    // The stream that was open is unaffected.
+    h.fake
+        .merge_patch(GV, "featureflags", "default", "demo", variant_patch("off"))
+        .unwrap();
+    assert_eq!(config(&mut s).await["flags"]["f"]["defaultVariant"], "off");
+}
+
+#[tokio::test]
+async fn get_metadata_answers_ok_with_its_struct_and_fetch_all_flags_answers_once() {
+    let h = start(Duration::from_secs(30)).await;
+    h.fake.apply(flag("demo", "on")).unwrap();
+    let mut client = flagd_client(&h).await;
+    let metadata = client
+        .get_metadata(flagd::GetMetadataRequest {})
+        .await
+        .expect("OK")
+        .into_inner();
+    assert!(metadata.metadata.is_some(), "the metadata field is present");
+
+    let fetched = client
+        .fetch_all_flags(flagd::FetchAllFlagsRequest {
+            provider_id: String::new(),
+            selector: SELECTOR.into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let parsed: Value = serde_json::from_str(&fetched.flag_configuration).unwrap();
+    assert_eq!(parsed, flag_spec(&h, "demo"));
+    let missing = client
+        .fetch_all_flags(flagd::FetchAllFlagsRequest {
+            provider_id: String::new(),
+            selector: "core.openfeature.dev/default/none".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(missing.flag_configuration, r#"{"flags":{}}"#);
+}
+
+#[tokio::test]
+async fn the_legacy_protocol_says_all_on_every_message() {
+    let h = start(Duration::from_secs(30)).await;
+    h.fake.apply(flag("demo", "on")).unwrap();
+    let mut client = LegacyClient::connect(format!("http://{}", h.broker.addr))
+        .await
+        .unwrap();
+    let mut s = client
+        .sync_flags(legacy::SyncFlagsRequest {
+            provider_id: String::new(),
+            selector: SELECTOR.into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    for variant in ["on", "off", "a"] {
+        if variant != "on" {
+            h.fake
+                .merge_patch(
+                    GV,
+                    "featureflags",
+                    "default",
+                    "demo",
+                    variant_patch(variant),
+                )
+                .unwrap();
+        }
+        let r = tokio::time::timeout(WAIT, s.message())
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
+        assert_eq!(r.state(), legacy::SyncState::All);
+        let parsed: Value = serde_json::from_str(&r.flag_configuration).unwrap();
+        assert_eq!(parsed["flags"]["f"]["defaultVariant"], variant);
+    }
+    let fetched = client
+        .fetch_all_flags(legacy::FetchAllFlagsRequest {
+            provider_id: String::new(),
+            selector: SELECTOR.into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(
+        fetched
+            .flag_configuration
+            .contains(r#""defaultVariant":"a""#)
+    );
+    assert_eq!(h.watches_on("demo"), 1);
+}
+
+#[tokio::test]
+async fn sync_streams_end_with_unavailable_never_ok() {
+    let h = start(Duration::from_secs(30)).await;
+    h.fake.apply(flag("demo", "on")).unwrap();
+    let mut client = flagd_client(&h).await;
+    let mut s = client
+        .sync_flags(sync_request(Some(SELECTOR), ""))
+        .await
+        .unwrap()
+        .into_inner();
+    config(&mut s).await;
+    let stopping = tokio::spawn(h.broker.stop());
+    let status = tokio::time::timeout(WAIT, s.message())
+        .await
+        .unwrap()
+        .unwrap_err();
+    assert_eq!(status.code(), Code::Unavailable);
+    stopping.await.unwrap().unwrap();
+}
+
+#[tokio::test]
+async fn a_configuration_over_four_mebibytes_is_resource_exhausted_and_never_sent() {
+    // The API server takes no object that large (its request limit is 3 MiB); a manifests
+    // directory does.
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("crd.yaml"), CRD).unwrap();
+    let mut big = flag("big", "on");
+    big["spec"]["flagSpec"]["metadata"] = json!({ "padding": "x".repeat(4_300_000) });
+    std::fs::write(dir.path().join("big.json"), big.to_string()).unwrap();
+    std::fs::write(
+        dir.path().join("small.json"),
+        flag("small", "on").to_string(),
+    )
+    .unwrap();
+    let source = crd_broker::source::manifests::Manifests::open(
+        dir.path(),
+        Duration::from_millis(50),
+        vec![],
+    )
+    .unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let broker = crd_broker::server::Running::start(listener, source, Duration::ZERO).unwrap();
+    let mut client = FlagSyncServiceClient::connect(format!("http://{}", broker.addr))
+        .await
+        .unwrap();
+    let mut s = client
+        .sync_flags(sync_request(Some("core.openfeature.dev/default/big"), ""))
+        .await
+        .unwrap()
+        .into_inner();
+    let status = tokio::time::timeout(WAIT, s.message())
+        .await
+        .unwrap()
+        .unwrap_err();
+    assert_eq!(status.code(), Code::ResourceExhausted);
+    assert!(
+        status.message().contains("FeatureFlag default/big") && status.message().contains("4300"),
+        "{}",
+        status.message()
+    );
+    // The broker keeps serving others.
+    let mut ok = client
+        .sync_flags(sync_request(Some("core.openfeature.dev/default/small"), ""))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(config(&mut ok).await["flags"]["f"]["defaultVariant"], "on");
+    broker.stop().await.unwrap();
+}
+
+/// A plain HTTP/1.1 GET on loopback; the whole response as text.
+async fn http_get(port: u16, path: &str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .unwrap();
+    let request = format!("GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n");
+    stream.write_all(request.as_bytes()).await.unwrap();
+    let mut response = String::new();
+    stream.read_to_string(&mut response).await.unwrap();
+    response
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+#[tokio::test]
+async fn start_runs_the_broker_as_the_operator_starts_flagd_proxy() {
+    let fake = fake_apiserver::FakeApiServer::start_with(
+        fake_apiserver::Options::default().crd_yaml(CRD).unwrap(),
+    )
+    .await
+    .unwrap();
+    fake.apply(flag("demo", "on")).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let kubeconfig = dir.path().join("kubeconfig");
+    fake.write_kubeconfig(&kubeconfig).unwrap();
+    let (port, management) = (free_port(), free_port());
+    // flagd-proxy's own spelling: `start --port N --management-port M --debug --log-format console`,
+    // with the port from the PORT environment variable here.
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_crd-broker"))
+        .args([
+            "start",
+            "--management-port",
+            &management.to_string(),
+            "--debug",
+            "--log-format",
+            "console",
+        ])
+        .env("PORT", port.to_string())
+        .env("KUBECONFIG", &kubeconfig)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let client = tokio::time::timeout(WAIT, async {
+        loop {
+            if let Ok(c) = FlagSyncServiceClient::connect(format!("http://127.0.0.1:{port}")).await
+            {
+                return c;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await
+    .expect("start listens on PORT");
+    let mut client = client;
+    let mut s = client
+        .sync_flags(sync_request(Some(SELECTOR), SELECTOR))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(config(&mut s).await["flags"]["f"]["defaultVariant"], "on");
+    let ready = tokio::net::TcpStream::connect(("127.0.0.1", management)).await;
+    assert!(
+        ready.is_ok(),
+        "the admin endpoints listen on --management-port"
+    );
+    child.kill().await.unwrap();
+}
