@@ -388,10 +388,10 @@ async fn start_runs_the_broker_as_the_operator_starts_flagd_proxy() {
         .unwrap()
         .into_inner();
     assert_eq!(config(&mut s).await["flags"]["f"]["defaultVariant"], "on");
-    let ready = tokio::net::TcpStream::connect(("127.0.0.1", management)).await;
+    let ready = http_get(management, "/readyz").await;
     assert!(
-        ready.is_ok(),
-        "the admin endpoints listen on --management-port"
+        ready.starts_with("HTTP/1.1 200"),
+        "the admin endpoints answer on --management-port: {ready}"
     );
     child.kill().await.unwrap();
 }
