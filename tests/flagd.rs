@@ -395,3 +395,32 @@ async fn start_runs_the_broker_as_the_operator_starts_flagd_proxy() {
     );
     child.kill().await.unwrap();
 }
+
+#[tokio::test]
+async fn the_clients_stream_deadline_churn_reuses_the_warm_watch() {
+    let h = start(Duration::from_secs(30)).await;
+    h.fake.apply(flag("demo", "on")).unwrap();
+    let mut client = flagd_client(&h).await;
+    for _ in 0..5 {
+        // A provider's stream deadline: it cancels the stream and opens a new one.
+        let mut s = client
+            .sync_flags(sync_request(Some(SELECTOR), SELECTOR))
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(config(&mut s).await["flags"]["f"]["defaultVariant"], "on");
+        drop(s);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(
+        h.fake.request_count("list", NS_PATH),
+        1,
+        "one LIST for five streams"
+    );
+    assert_eq!(
+        h.fake.request_count("watch", NS_PATH),
+        1,
+        "one WATCH for five streams"
+    );
+    assert_eq!(h.watches_on("demo"), 1);
+}
