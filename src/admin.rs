@@ -1,39 +1,126 @@
-//! The admin HTTP server: liveness and readiness for probes.
+//! The admin HTTP server: `/livez`, `/readyz`, `/metrics` and `/debug/watches`.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant, SystemTime};
 
 use axum::Router;
 use axum::extract::State;
-use axum::http::StatusCode;
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
 use axum::routing::get;
+use serde_json::json;
 use tokio::net::TcpListener;
-use tokio_util::sync::CancellationToken;
 
-#[derive(Clone)]
+use crate::health::Readiness;
+use crate::registry::{Registry, WatchStatus};
+use crate::source::Source;
+use crate::telemetry::Metrics;
+
+/// How stale the runtime heartbeat may be before `/livez` fails.
+const STALE: Duration = Duration::from_secs(10);
+
 struct Admin {
-    shutdown: CancellationToken,
+    readiness: Arc<Readiness>,
+    metrics: Arc<Metrics>,
+    watches: Box<dyn Fn() -> Vec<WatchStatus> + Send + Sync>,
+    started: Instant,
+    heartbeat: Arc<AtomicU64>,
 }
 
-/// Serves the admin endpoints on `listener` until `shutdown` is cancelled.
-pub async fn serve(listener: TcpListener, shutdown: CancellationToken) -> std::io::Result<()> {
+/// Serves the admin endpoints on `listener` until the process ends (so probes see a draining
+/// broker as not ready).
+pub fn spawn<S: Source>(
+    listener: TcpListener,
+    readiness: Arc<Readiness>,
+    registry: Registry<S>,
+    metrics: Arc<Metrics>,
+) {
+    let started = Instant::now();
+    let heartbeat = Arc::new(AtomicU64::new(0));
+    let beat = heartbeat.clone();
+    // A task that must keep running for the process to count as alive: it proves that timers
+    // fire and the runtime is not starved.
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(crate::telemetry::HEARTBEAT);
+        loop {
+            tick.tick().await;
+            beat.store(started.elapsed().as_millis() as u64, Ordering::Relaxed);
+        }
+    });
+    let admin = Arc::new(Admin {
+        readiness,
+        metrics,
+        watches: Box::new(move || registry.watches()),
+        started,
+        heartbeat,
+    });
     let app = Router::new()
         .route("/livez", get(live))
         .route("/healthz", get(live))
         .route("/readyz", get(ready))
-        .with_state(Admin {
-            shutdown: shutdown.clone(),
-        });
-    axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown.cancelled_owned())
-        .await
+        .route("/metrics", get(metrics_text))
+        .route("/debug/watches", get(watches))
+        .with_state(admin);
+    tokio::spawn(async move {
+        if let Err(error) = axum::serve(listener, app).await {
+            tracing::error!(%error, "the admin server stopped");
+        }
+    });
 }
 
-async fn live() -> &'static str {
-    "ok\n"
-}
-
-async fn ready(State(admin): State<Admin>) -> (StatusCode, &'static str) {
-    if admin.shutdown.is_cancelled() {
-        (StatusCode::SERVICE_UNAVAILABLE, "shutting down\n")
-    } else {
-        (StatusCode::OK, "ok\n")
+async fn live(State(admin): State<Arc<Admin>>) -> (StatusCode, String) {
+    let beat = Duration::from_millis(admin.heartbeat.load(Ordering::Relaxed));
+    let since = admin.started.elapsed().saturating_sub(beat);
+    if since > STALE {
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("the runtime heartbeat is {since:?} old\n"),
+        );
     }
+    (StatusCode::OK, "ok\n".to_string())
+}
+
+async fn ready(State(admin): State<Arc<Admin>>) -> (StatusCode, String) {
+    let state = admin.readiness.current();
+    let status = if state.ready() {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    (status, format!("{}\n", state.reason()))
+}
+
+async fn metrics_text(State(admin): State<Arc<Admin>>) -> Response {
+    (
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        admin.metrics.encode(),
+    )
+        .into_response()
+}
+
+fn rfc3339(t: SystemTime) -> String {
+    humantime::format_rfc3339_seconds(t).to_string()
+}
+
+async fn watches(State(admin): State<Arc<Admin>>) -> Response {
+    let now = SystemTime::now();
+    let list: Vec<_> = (admin.watches)()
+        .into_iter()
+        .map(|w| {
+            json!({
+                "selector": w.selector.to_string(),
+                "subscribers": w.subscribers,
+                "since": rfc3339(w.since),
+                "ageSeconds": now.duration_since(w.since).unwrap_or_default().as_secs(),
+                "lastEvent": w.last_event.map(rfc3339),
+                "resourceVersion": w.resource_version,
+                "errors": w.errors,
+            })
+        })
+        .collect();
+    axum::Json(json!({ "watches": list })).into_response()
 }

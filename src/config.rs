@@ -3,18 +3,21 @@
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use clap::{Args, Parser, Subcommand, ValueEnum};
-use tokio::net::TcpListener;
+use clap::{Args, Parser, Subcommand};
+use tokio::net::{TcpListener, UnixListener};
 
 use crate::selector::{KindRef, Selector};
-use crate::server::Running;
+use crate::server::{Listeners, Running, ServerConfig};
 use crate::source::Source;
 use crate::source::kubernetes::Kubernetes;
 use crate::source::manifests::Manifests;
 use crate::subscribe::{self, Output};
+use crate::telemetry::{self, LogFormat};
+use crate::tls::{Tls, TlsFiles};
 
 /// How long a watch outlives its last subscriber by default (ADR 0005).
 pub const DEFAULT_LINGER: Duration = Duration::from_secs(30);
@@ -31,25 +34,16 @@ pub struct Cli {
     pub log_format: LogFormat,
 }
 
-/// Log output formats.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum LogFormat {
-    /// Human-readable lines (`console`, as flagd-proxy calls it, is the same).
-    #[value(alias = "console")]
-    Plain,
-    /// One JSON object per line.
-    Json,
-}
-
 /// The subcommands.
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Run the broker.
-    Serve(Serve),
+    Serve(Box<Serve>),
     /// Subscribe to resources on a running broker and print every event.
     Subscribe(SubscribeArgs),
     /// Run as a drop-in for flagd-proxy, as the OpenFeature Operator starts it: the broker on
-    /// the Kubernetes source, gRPC on --port, admin endpoints on --management-port.
+    /// the Kubernetes source, gRPC on --port, admin endpoints on --management-port (every
+    /// `serve` setting can still be given through its CRD_BROKER_* variable).
     Start(Start),
 }
 
@@ -59,7 +53,7 @@ pub struct Start {
     /// The gRPC port (flagd sync, legacy sync and the native API).
     #[arg(long, short = 'p', env = "PORT", default_value_t = 8015)]
     pub port: u16,
-    /// The port of the admin endpoints (health, readiness).
+    /// The port of the admin endpoints (health, readiness, metrics).
     #[arg(
         long,
         short = 'm',
@@ -72,15 +66,54 @@ pub struct Start {
     pub debug: bool,
 }
 
+/// A duration where `0` (or `off`) means "never".
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct MaybeDuration(pub Option<Duration>);
+
+impl std::str::FromStr for MaybeDuration {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, String> {
+        match text.trim() {
+            "0" | "off" | "none" => Ok(MaybeDuration(None)),
+            t => humantime::parse_duration(t)
+                .map(|d| MaybeDuration((!d.is_zero()).then_some(d)))
+                .map_err(|e| e.to_string()),
+        }
+    }
+}
+
+/// An address where `none` (or `off`) means "do not listen".
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct MaybeAddr(pub Option<SocketAddr>);
+
+impl std::str::FromStr for MaybeAddr {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, String> {
+        match text.trim() {
+            "" | "none" | "off" => Ok(MaybeAddr(None)),
+            t => t
+                .parse()
+                .map(|a| MaybeAddr(Some(a)))
+                .map_err(|e| format!("{e}: {t:?}")),
+        }
+    }
+}
+
 /// `crd-broker serve`.
-#[derive(Debug, Args)]
+#[derive(Debug, Parser)]
+#[command(name = "serve")]
 pub struct Serve {
-    /// Address for the gRPC server.
+    /// gRPC over TCP (`none`: no TCP listener).
     #[arg(long, env = "CRD_BROKER_GRPC_ADDR", default_value = "0.0.0.0:8015")]
-    pub grpc_addr: SocketAddr,
-    /// Address for the admin HTTP server (liveness, readiness).
+    pub grpc_addr: MaybeAddr,
+    /// gRPC over a unix domain socket at this path as well (or instead, with --grpc-addr none).
+    #[arg(long, env = "CRD_BROKER_GRPC_SOCKET", value_name = "PATH")]
+    pub grpc_socket: Option<PathBuf>,
+    /// The admin HTTP server: /livez, /readyz, /metrics, /debug/watches (`none`: off).
     #[arg(long, env = "CRD_BROKER_ADMIN_ADDR", default_value = "0.0.0.0:8016")]
-    pub admin_addr: SocketAddr,
+    pub admin_addr: MaybeAddr,
     /// Serve the CRDs and custom resources in this directory of manifests instead of a
     /// cluster; edits to its files are seen as changes.
     #[arg(long, env = "CRD_BROKER_MANIFESTS", value_name = "DIR")]
@@ -100,12 +133,70 @@ pub struct Serve {
     /// How often the manifests directory is checked for changes.
     #[arg(long, env = "CRD_BROKER_MANIFESTS_POLL", default_value = "250ms", value_parser = humantime::parse_duration)]
     pub manifests_poll: Duration,
+    /// TLS: the server certificate chain (PEM). With --tls-key.
+    #[arg(
+        long,
+        env = "CRD_BROKER_TLS_CERT",
+        value_name = "FILE",
+        requires = "tls_key"
+    )]
+    pub tls_cert: Option<PathBuf>,
+    /// TLS: the server's private key (PEM).
+    #[arg(
+        long,
+        env = "CRD_BROKER_TLS_KEY",
+        value_name = "FILE",
+        requires = "tls_cert"
+    )]
+    pub tls_key: Option<PathBuf>,
+    /// mTLS: CA certificates (PEM) client certificates must chain to.
+    #[arg(
+        long,
+        env = "CRD_BROKER_TLS_CLIENT_CA",
+        value_name = "FILE",
+        requires = "tls_cert"
+    )]
+    pub tls_client_ca: Option<PathBuf>,
+    /// How often the TLS files are checked for changes (they are reloaded without a restart).
+    #[arg(long, env = "CRD_BROKER_TLS_RELOAD_INTERVAL", default_value = "10s", value_parser = humantime::parse_duration)]
+    pub tls_reload_interval: Duration,
+    /// After this long (±10 %) a connection gets GOAWAY and its streams end with UNAVAILABLE,
+    /// so clients re-resolve and spread over replicas (`0`: never).
+    #[arg(long, env = "CRD_BROKER_MAX_CONNECTION_AGE", default_value = "30m")]
+    pub max_connection_age: MaybeDuration,
+    /// How long an aged connection may finish before it is closed.
+    #[arg(long, env = "CRD_BROKER_MAX_CONNECTION_AGE_GRACE", default_value = "30s", value_parser = humantime::parse_duration)]
+    pub max_connection_age_grace: Duration,
+    /// How often idle connections are pinged (`0`: never). Clients may ping as often as they like.
+    #[arg(
+        long,
+        env = "CRD_BROKER_HTTP2_KEEPALIVE_INTERVAL",
+        default_value = "30s"
+    )]
+    pub http2_keepalive_interval: MaybeDuration,
+    /// How long a ping may go unanswered before the connection is closed.
+    #[arg(long, env = "CRD_BROKER_HTTP2_KEEPALIVE_TIMEOUT", default_value = "20s", value_parser = humantime::parse_duration)]
+    pub http2_keepalive_timeout: Duration,
+    /// Streams one connection may have open at once.
+    #[arg(
+        long,
+        env = "CRD_BROKER_MAX_CONCURRENT_STREAMS",
+        default_value_t = 2000
+    )]
+    pub max_concurrent_streams: u32,
+    /// On SIGTERM, how long to wait for connections to finish before exiting (a second signal
+    /// exits at once).
+    #[arg(long, env = "CRD_BROKER_SHUTDOWN_GRACE", default_value = "20s", value_parser = humantime::parse_duration)]
+    pub shutdown_grace: Duration,
+    /// How often readiness (the source answers, and may be read) is checked.
+    #[arg(long, env = "CRD_BROKER_READINESS_INTERVAL", default_value = "10s", value_parser = humantime::parse_duration)]
+    pub readiness_interval: Duration,
 }
 
 /// `crd-broker subscribe`.
 #[derive(Debug, Args)]
 pub struct SubscribeArgs {
-    /// The broker's gRPC address.
+    /// The broker's gRPC address (`unix:///path` for a unix socket).
     #[arg(
         long,
         env = "CRD_BROKER_SERVER",
@@ -125,86 +216,142 @@ impl Cli {
     /// Runs the command.
     pub async fn run(self) -> anyhow::Result<()> {
         let debug = matches!(&self.command, Command::Start(s) if s.debug);
-        init_logging(self.log_format, if debug { "debug" } else { "info" });
-        match self.command {
+        let telemetry = telemetry::init(self.log_format, if debug { "debug" } else { "info" });
+        let result = match self.command {
             Command::Serve(serve) => serve.run().await,
             Command::Subscribe(s) => subscribe::run(s.server, s.output, s.selectors).await,
-            Command::Start(start) => start.serve().run().await,
-        }
+            Command::Start(start) => start.serve()?.run().await,
+        };
+        telemetry.shutdown().await;
+        result
     }
 }
 
 impl Start {
-    /// The `serve` this stands for: all interfaces, the Kubernetes source, the default linger.
-    pub fn serve(&self) -> Serve {
-        Serve {
-            grpc_addr: SocketAddr::from(([0, 0, 0, 0], self.port)),
-            admin_addr: SocketAddr::from(([0, 0, 0, 0], self.management_port)),
-            manifests: None,
-            resources: Vec::new(),
-            linger: DEFAULT_LINGER,
-            manifests_poll: Duration::from_millis(250),
-        }
+    /// The `serve` this stands for: all interfaces on the given ports, the Kubernetes source,
+    /// every other setting from its CRD_BROKER_* variable or its default.
+    pub fn serve(&self) -> anyhow::Result<Serve> {
+        let mut serve = Serve::try_parse_from(["serve"])?;
+        serve.grpc_addr = MaybeAddr(Some(SocketAddr::from(([0, 0, 0, 0], self.port))));
+        serve.admin_addr = MaybeAddr(Some(SocketAddr::from(([0, 0, 0, 0], self.management_port))));
+        serve.manifests = None;
+        Ok(serve)
     }
 }
 
 impl Serve {
-    /// Binds, picks the source, serves until SIGINT or SIGTERM.
+    /// The server settings these flags give.
+    pub fn server_config(&self) -> ServerConfig {
+        ServerConfig {
+            linger: self.linger,
+            max_connection_age: self.max_connection_age.0,
+            max_connection_age_grace: self.max_connection_age_grace,
+            keepalive_interval: self.http2_keepalive_interval.0,
+            keepalive_timeout: self.http2_keepalive_timeout,
+            max_concurrent_streams: self.max_concurrent_streams,
+            shutdown_grace: self.shutdown_grace,
+            readiness_interval: self.readiness_interval,
+        }
+    }
+
+    async fn listeners(&self) -> anyhow::Result<Listeners> {
+        let tcp = match self.grpc_addr.0 {
+            Some(addr) => Some(
+                TcpListener::bind(addr)
+                    .await
+                    .with_context(|| format!("binding the gRPC address {addr}"))?,
+            ),
+            None => None,
+        };
+        let unix = match &self.grpc_socket {
+            Some(path) => {
+                // A socket left by an earlier run would make bind fail.
+                if std::fs::symlink_metadata(path)
+                    .is_ok_and(|m| std::os::unix::fs::FileTypeExt::is_socket(&m.file_type()))
+                {
+                    std::fs::remove_file(path).ok();
+                }
+                let listener = UnixListener::bind(path)
+                    .with_context(|| format!("binding the unix socket {}", path.display()))?;
+                Some((listener, path.clone()))
+            }
+            None => None,
+        };
+        let admin = match self.admin_addr.0 {
+            Some(addr) => Some(
+                TcpListener::bind(addr)
+                    .await
+                    .with_context(|| format!("binding the admin address {addr}"))?,
+            ),
+            None => None,
+        };
+        let tls = match (&self.tls_cert, &self.tls_key) {
+            (Some(cert), Some(key)) => {
+                let tls = Tls::load(TlsFiles {
+                    cert: cert.clone(),
+                    key: key.clone(),
+                    client_ca: self.tls_client_ca.clone(),
+                })
+                .context("loading the TLS certificates")?;
+                tls.spawn_reloader(self.tls_reload_interval);
+                Some(tls)
+            }
+            _ => None,
+        };
+        Ok(Listeners {
+            tcp,
+            tls,
+            unix,
+            admin,
+        })
+    }
+
+    /// Binds, picks the source, serves until SIGINT or SIGTERM, then drains.
     pub async fn run(self) -> anyhow::Result<()> {
-        let Serve {
-            grpc_addr,
-            admin_addr,
-            manifests,
-            resources,
-            linger,
-            manifests_poll,
-        } = self;
-        let listener = TcpListener::bind(grpc_addr)
-            .await
-            .with_context(|| format!("binding the gRPC address {grpc_addr}"))?;
-        let admin = TcpListener::bind(admin_addr)
-            .await
-            .with_context(|| format!("binding the admin address {admin_addr}"))?;
-        match manifests {
+        let listeners = self.listeners().await?;
+        let config = self.server_config();
+        match &self.manifests {
             Some(dir) => {
-                let source =
-                    Manifests::open(&dir, manifests_poll, resources).with_context(|| {
+                let source = Manifests::open(dir, self.manifests_poll, self.resources.clone())
+                    .with_context(|| {
                         format!("reading the manifests directory {}", dir.display())
                     })?;
-                run_until_signal(listener, admin, source, linger).await
+                run_until_signal(listeners, source, config).await
             }
             None => {
-                let source = Kubernetes::infer(resources)
+                let source = Kubernetes::infer(self.resources.clone())
                     .await
                     .context("configuring the Kubernetes client (KUBECONFIG, else in-cluster)")?;
-                run_until_signal(listener, admin, source, linger).await
+                run_until_signal(listeners, source, config).await
             }
         }
     }
 }
 
 async fn run_until_signal<S: Source>(
-    listener: TcpListener,
-    admin: TcpListener,
+    listeners: Listeners,
     source: S,
-    linger: Duration,
+    config: ServerConfig,
 ) -> anyhow::Result<()> {
-    let running = Running::start_with_admin(listener, Some(admin), source, linger)?;
-    tracing::info!(addr = %running.addr, linger = ?linger, "crd-broker serving");
-    crate::shutdown::signal().await;
-    tracing::info!("shutting down");
-    running.stop().await
-}
-
-fn init_logging(format: LogFormat, default_level: &str) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_level));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_writer(std::io::stderr);
-    let _ = match format {
-        LogFormat::Plain => builder.try_init(),
-        LogFormat::Json => builder.json().try_init(),
-    };
+    let grace = config.shutdown_grace;
+    let running = Running::start_with(listeners, source, config)?;
+    tracing::info!(
+        grpc = %running.addr,
+        admin = ?running.admin_addr,
+        "crd-broker serving"
+    );
+    let signals = Arc::new(crate::shutdown::Signals::new()?);
+    signals.next().await;
+    tracing::info!(
+        ?grace,
+        "draining: not ready, GOAWAY to every connection, streams end with UNAVAILABLE"
+    );
+    running.shutdown.cancel();
+    tokio::select! {
+        result = running.finished() => result,
+        _ = signals.next() => {
+            tracing::warn!("second signal: exiting now");
+            std::process::exit(130);
+        }
+    }
 }

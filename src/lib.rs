@@ -20,12 +20,15 @@
 pub mod admin;
 pub mod config;
 pub mod grpc;
+pub mod health;
 pub mod registry;
 pub mod selector;
 pub mod server;
 pub mod shutdown;
 pub mod source;
 pub mod subscribe;
+pub mod telemetry;
+pub mod tls;
 
 /// Protobuf types, the generated clients (prost) and servers (pre-encoded streams).
 #[allow(missing_docs, clippy::all, clippy::pedantic)]

@@ -19,7 +19,7 @@ use tonic::metadata::MetadataMap;
 use tonic::{Request, Response, Status};
 
 use super::frame::Encoded;
-use super::{shutting_down, source_status, with_shutdown};
+use super::{Delivery, Instrumented, drain_of, shutting_down, source_status, with_shutdown};
 use crate::pb::{flagd, legacy};
 use crate::registry::{Registry, State, Subscription, Wire};
 use crate::selector::{KindRef, Selector};
@@ -52,6 +52,20 @@ pub enum Protocol {
 }
 
 impl Protocol {
+    fn label(self) -> &'static str {
+        match self {
+            Protocol::Flagd => "flagd",
+            Protocol::Legacy => "flagd_legacy",
+        }
+    }
+
+    fn metric(self) -> crate::telemetry::Protocol {
+        match self {
+            Protocol::Flagd => crate::telemetry::Protocol::Flagd,
+            Protocol::Legacy => crate::telemetry::Protocol::FlagdLegacy,
+        }
+    }
+
     /// The [`crate::registry::Update::wire`] slot for this protocol's encoding.
     fn slot(self) -> usize {
         match self {
@@ -158,18 +172,28 @@ impl<S: Source> FlagdCore<S> {
         Ok((canonical, subscription))
     }
 
-    async fn sync(
+    async fn sync<T>(
         &self,
-        metadata: &MetadataMap,
+        request: &Request<T>,
         body: &str,
         protocol: Protocol,
     ) -> Result<BoxStream<'static, Result<Encoded, Status>>, Status> {
-        let selector = selector(metadata, body)?;
+        let started = std::time::Instant::now();
+        let drain = drain_of(request, &self.shutdown);
+        let selector = selector(request.metadata(), body)?;
         let (canonical, subscription) = self.subscribe(&selector).await?;
-        tracing::debug!(selector = %canonical, ?protocol, "flagd sync stream opened");
+        let span =
+            tracing::info_span!("subscription", protocol = protocol.label(), selector = %canonical);
+        let delivery = Delivery::new(
+            self.registry.metrics().clone(),
+            &canonical,
+            protocol.metric(),
+            started,
+            subscription.cold,
+        );
         let name = flag_name(&canonical);
-        let configs = configurations(protocol, name, self.limit, subscription);
-        Ok(with_shutdown(configs, self.shutdown.clone()).boxed())
+        let configs = configurations(protocol, name, self.limit, subscription, delivery);
+        Ok(Instrumented::new(with_shutdown(configs, drain), span).boxed())
     }
 
     async fn fetch(&self, metadata: &MetadataMap, body: &str) -> Result<String, Status> {
@@ -228,20 +252,22 @@ fn configurations(
     name: String,
     limit: usize,
     subscription: Subscription,
+    delivery: Delivery,
 ) -> impl Stream<Item = Result<Encoded, Status>> + Send + 'static {
     stream::unfold(
-        (subscription, None::<u64>, false),
-        move |(mut sub, mut last, done)| {
+        (subscription, None::<u64>, false, delivery),
+        move |(mut sub, mut last, done, mut delivery)| {
             let name = name.clone();
             async move {
                 if done {
                     return None;
                 }
                 loop {
-                    let wire = match sub.current() {
+                    let state = sub.current();
+                    let wire = match &state {
                         State::Pending => None,
                         State::Failed(e) if last.is_none() => {
-                            return Some((Err(source_status(0, &e)), (sub, last, true)));
+                            return Some((Err(source_status(0, e)), (sub, last, true, delivery)));
                         }
                         State::Failed(_) => None,
                         State::Present(u) => Some(u.wire(protocol.slot(), |o| {
@@ -257,14 +283,19 @@ fn configurations(
                         if wire.bytes.len() > limit {
                             return Some((
                                 Err(too_large(&name, wire.bytes.len(), limit)),
-                                (sub, last, true),
+                                (sub, last, true, delivery),
                             ));
                         }
                         last = Some(wire.digest);
-                        return Some((Ok(Encoded(wire.bytes)), (sub, last, false)));
+                        let update = match &state {
+                            State::Present(u) => Some(u.as_ref()),
+                            _ => None,
+                        };
+                        delivery.sent(update);
+                        return Some((Ok(Encoded(wire.bytes)), (sub, last, false, delivery)));
                     }
                     if !sub.changed().await {
-                        return Some((Err(shutting_down()), (sub, last, true)));
+                        return Some((Err(shutting_down()), (sub, last, true, delivery)));
                     }
                 }
             }
@@ -287,10 +318,7 @@ impl<S: Source> flagd::flag_sync_service_server::FlagSyncService for FlagdServic
         request: Request<flagd::SyncFlagsRequest>,
     ) -> Result<Response<Self::SyncFlagsStream>, Status> {
         let body = request.get_ref().selector.clone();
-        let stream = self
-            .0
-            .sync(request.metadata(), &body, Protocol::Flagd)
-            .await?;
+        let stream = self.0.sync(&request, &body, Protocol::Flagd).await?;
         Ok(Response::new(stream))
     }
 
@@ -328,10 +356,7 @@ impl<S: Source> legacy::flag_sync_service_server::FlagSyncService for LegacyServ
         request: Request<legacy::SyncFlagsRequest>,
     ) -> Result<Response<Self::SyncFlagsStream>, Status> {
         let body = request.get_ref().selector.clone();
-        let stream = self
-            .0
-            .sync(request.metadata(), &body, Protocol::Legacy)
-            .await?;
+        let stream = self.0.sync(&request, &body, Protocol::Legacy).await?;
         Ok(Response::new(stream))
     }
 

@@ -3,6 +3,7 @@
 
 use std::pin::Pin;
 use std::sync::Arc;
+use std::time::Instant;
 
 use futures::stream::{self, BoxStream, Stream, StreamExt};
 use tokio_util::sync::CancellationToken;
@@ -13,7 +14,11 @@ use crate::pb::broker_server::{Broker, BrokerServer};
 use crate::pb::subscribe_response::Event;
 use crate::registry::{Registry, State, Subscription, Update};
 use crate::selector::{KindRef, ParseError, Selector};
+use crate::server::ConnDrain;
 use crate::source::{Source, SourceError};
+use crate::telemetry::{
+    FirstMessageLabels, Metrics, Protocol, ResourceLabels, SubscriberLabels, Watch,
+};
 
 pub mod flagd;
 pub mod frame;
@@ -87,6 +92,8 @@ impl<S: Source> Broker for BrokerService<S> {
         &self,
         request: Request<pb::SubscribeRequest>,
     ) -> Result<Response<Self::SubscribeStream>, Status> {
+        let started = Instant::now();
+        let drain = drain_of(&request, &self.shutdown);
         let resources = request.into_inner().resources;
         if resources.is_empty() {
             return Err(Status::invalid_argument(
@@ -110,18 +117,135 @@ impl<S: Source> Broker for BrokerService<S> {
         for (i, r) in resolved.into_iter().enumerate() {
             canonical.push(r.map_err(|e| source_status(i, &e))?);
         }
+        let names: Vec<String> = canonical.iter().map(ToString::to_string).collect();
+        let span =
+            tracing::info_span!("subscription", protocol = "native", selector = %names.join(" "));
         let streams: Vec<_> = canonical
             .iter()
             .enumerate()
             .map(|(i, selector)| {
                 let subscription = self.registry.subscribe(selector);
-                resource_stream(i as u32, Arc::from(selector.to_string()), subscription).boxed()
+                let delivery = Delivery::new(
+                    self.registry.metrics().clone(),
+                    selector,
+                    Protocol::Native,
+                    started,
+                    subscription.cold,
+                );
+                resource_stream(
+                    i as u32,
+                    Arc::from(selector.to_string()),
+                    subscription,
+                    delivery,
+                )
+                .boxed()
             })
             .collect();
         let merged = stream::select_all(streams);
         Ok(Response::new(
-            with_shutdown(merged, self.shutdown.clone()).boxed(),
+            Instrumented::new(with_shutdown(merged, drain), span).boxed(),
         ))
+    }
+}
+
+/// The token that ends a request's streams: its connection's drain (max age or shutdown), or
+/// the broker's shutdown when served without one.
+pub(crate) fn drain_of<T>(request: &Request<T>, shutdown: &CancellationToken) -> CancellationToken {
+    request
+        .extensions()
+        .get::<ConnDrain>()
+        .map(|d| d.0.clone())
+        .unwrap_or_else(|| shutdown.clone())
+}
+
+/// A stream whose polls run inside a span: the span lasts as long as the subscription.
+pub(crate) struct Instrumented<T> {
+    inner: BoxStream<'static, T>,
+    span: tracing::Span,
+}
+
+impl<T> Instrumented<T> {
+    pub(crate) fn new(inner: impl Stream<Item = T> + Send + 'static, span: tracing::Span) -> Self {
+        Instrumented {
+            inner: inner.boxed(),
+            span,
+        }
+    }
+}
+
+impl<T> Stream for Instrumented<T> {
+    type Item = T;
+
+    fn poll_next(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<T>> {
+        let this = &mut *self;
+        let _entered = this.span.enter();
+        this.inner.poll_next_unpin(cx)
+    }
+}
+
+/// One subscriber's view of one resource, for the metrics: counted in the subscriber gauge
+/// while it lives; its first message timed from the subscribe; later ones counted towards the
+/// update's fan-out time.
+pub(crate) struct Delivery {
+    metrics: Arc<Metrics>,
+    labels: SubscriberLabels,
+    started: Instant,
+    cold: bool,
+    first: bool,
+}
+
+impl Delivery {
+    pub(crate) fn new(
+        metrics: Arc<Metrics>,
+        selector: &Selector,
+        protocol: Protocol,
+        started: Instant,
+        cold: bool,
+    ) -> Self {
+        let labels = SubscriberLabels {
+            resource: ResourceLabels::of(selector).resource,
+            protocol,
+        };
+        metrics.subscribers.get_or_create(&labels).inc();
+        Delivery {
+            metrics,
+            labels,
+            started,
+            cold,
+            first: true,
+        }
+    }
+
+    /// Records that a message about `update` (none for an absent resource) was handed to the
+    /// transport.
+    pub(crate) fn sent(&mut self, update: Option<&Update>) {
+        if std::mem::take(&mut self.first) {
+            let labels = FirstMessageLabels {
+                protocol: self.labels.protocol,
+                watch: if self.cold { Watch::Cold } else { Watch::Warm },
+            };
+            self.metrics
+                .first_message_seconds
+                .get_or_create(&labels)
+                .observe(self.started.elapsed().as_secs_f64());
+        } else if let Some(fanout) = update.and_then(Update::delivered) {
+            let labels = ResourceLabels {
+                resource: self.labels.resource.clone(),
+            };
+            self.metrics
+                .fanout_seconds
+                .get_or_create(&labels)
+                .observe(fanout.as_secs_f64());
+        }
+    }
+}
+
+impl Drop for Delivery {
+    fn drop(&mut self) {
+        self.metrics.subscribers.get_or_create(&self.labels).dec();
     }
 }
 
@@ -207,9 +331,10 @@ fn resource_stream(
     index: u32,
     selector: Arc<str>,
     subscription: Subscription,
+    delivery: Delivery,
 ) -> impl Stream<Item = Result<Frame, Status>> + Send + 'static {
-    let state = (subscription, Sent::Nothing, false);
-    stream::unfold(state, move |(mut sub, mut sent, done)| {
+    let state = (subscription, Sent::Nothing, false, delivery);
+    stream::unfold(state, move |(mut sub, mut sent, done, mut delivery)| {
         let selector = selector.clone();
         async move {
             if done {
@@ -221,10 +346,11 @@ fn resource_stream(
                     Step::Fail(error) => {
                         return Some((
                             Err(source_status(index as usize, &error)),
-                            (sub, sent, true),
+                            (sub, sent, true, delivery),
                         ));
                     }
                     Step::Send(event, update) => {
+                        delivery.sent(update.as_deref());
                         let shared = match &update {
                             Some(u) => {
                                 u.wire(NATIVE_WIRE, |o| frame::encode_object(&selector, o))
@@ -245,10 +371,10 @@ fn resource_stream(
                     }
                 };
                 if let Some(frame) = frame {
-                    return Some((Ok(frame), (sub, sent, false)));
+                    return Some((Ok(frame), (sub, sent, false, delivery)));
                 }
                 if !sub.changed().await {
-                    return Some((Err(shutting_down()), (sub, sent, true)));
+                    return Some((Err(shutting_down()), (sub, sent, true, delivery)));
                 }
             }
         }

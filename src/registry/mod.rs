@@ -19,7 +19,7 @@
 //! Each state's wire forms are computed once, by the first subscriber that needs them, and
 //! shared by the rest ([`Update::wire`]).
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use std::time::{Duration, SystemTime};
 
@@ -35,6 +35,7 @@ use tracing::Instrument;
 
 use crate::selector::Selector;
 use crate::source::{Object, Observed, Source, SourceError};
+use crate::telemetry::{ErrorLabels, Metrics, ResourceLabels, StopLabels, StopReason};
 
 #[cfg(test)]
 mod tests;
@@ -88,6 +89,10 @@ pub struct Update {
     /// The object.
     pub object: Object,
     wire: [OnceLock<Wire>; WIRE_SLOTS],
+    /// When the source reported it.
+    pub published: Instant,
+    /// Subscribers at publication that have not written it yet.
+    pending: AtomicUsize,
 }
 
 impl Update {
@@ -96,7 +101,19 @@ impl Update {
         Update {
             object,
             wire: Default::default(),
+            published: Instant::now(),
+            pending: AtomicUsize::new(0),
         }
+    }
+
+    /// Records that one of the subscribers present at publication has written this update;
+    /// the time since publication when it was the last of them (the fan-out time).
+    pub fn delivered(&self) -> Option<Duration> {
+        let before = self
+            .pending
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1))
+            .ok()?;
+        (before == 1).then(|| self.published.elapsed())
     }
 
     /// The wire form in `slot`, encoding it with `encode` the first time it is asked for; every
@@ -117,6 +134,8 @@ impl Update {
 pub struct Subscription {
     rx: watch::Receiver<State>,
     stats: Arc<Stats>,
+    /// Whether this subscription started the watch.
+    pub cold: bool,
 }
 
 impl Subscription {
@@ -181,6 +200,7 @@ struct Inner<S> {
     tasks: TaskTracker,
     shutdown: CancellationToken,
     next_id: AtomicU64,
+    metrics: Arc<Metrics>,
 }
 
 /// Shares one watch per resource among its subscribers. Cheap to clone.
@@ -200,6 +220,16 @@ impl<S: Source> Registry<S> {
     /// A registry over `source`. Watches linger `linger` after their last subscriber leaves and
     /// all stop when `shutdown` is cancelled.
     pub fn new(source: S, linger: Duration, shutdown: CancellationToken) -> Self {
+        Self::with_metrics(source, linger, shutdown, Arc::default())
+    }
+
+    /// As [`Registry::new`], recording into `metrics`.
+    pub fn with_metrics(
+        source: S,
+        linger: Duration,
+        shutdown: CancellationToken,
+        metrics: Arc<Metrics>,
+    ) -> Self {
         Registry {
             inner: Arc::new(Inner {
                 entries: DashMap::new(),
@@ -208,8 +238,14 @@ impl<S: Source> Registry<S> {
                 tasks: TaskTracker::new(),
                 shutdown,
                 next_id: AtomicU64::new(1),
+                metrics,
             }),
         }
+    }
+
+    /// The metrics it records into.
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        &self.inner.metrics
     }
 
     /// The source.
@@ -228,6 +264,7 @@ impl<S: Source> Registry<S> {
             return Subscription {
                 rx: entry.tx.subscribe(),
                 stats: entry.stats.clone(),
+                cold: false,
             };
         }
         let (subscription, start) = match self.inner.entries.entry(selector.clone()) {
@@ -235,6 +272,7 @@ impl<S: Source> Registry<S> {
                 Subscription {
                     rx: e.get().tx.subscribe(),
                     stats: e.get().stats.clone(),
+                    cold: false,
                 },
                 None,
             ),
@@ -255,6 +293,7 @@ impl<S: Source> Registry<S> {
                     Subscription {
                         rx,
                         stats: stats.clone(),
+                        cold: true,
                     },
                     Some((tx, stats)),
                 )
@@ -327,7 +366,11 @@ async fn run_watch<S: Source>(
     stats: Arc<Stats>,
 ) {
     tracing::debug!("watch started");
+    let labels = ResourceLabels::of(&selector);
+    inner.metrics.watch_starts.get_or_create(&labels).inc();
+    inner.metrics.watches.get_or_create(&labels).inc();
     let mut updates = inner.source.watch(&selector);
+    let mut reason = StopReason::Shutdown;
     // Set while nobody is subscribed: when the linger ends.
     let mut idle_until: Option<Instant> = None;
     loop {
@@ -358,12 +401,13 @@ async fn run_watch<S: Source>(
                     e.stats.id == stats.id && e.tx.receiver_count() == 0
                 });
                 if removed.is_some() {
+                    reason = StopReason::Idle;
                     break;
                 }
                 idle_until = None;
             }
             item = updates.next() => match item {
-                Some(item) => publish(&tx, &stats, item),
+                Some(item) => publish(&tx, &stats, &inner.metrics, &labels, item),
                 None => {
                     // Sources retry by themselves and do not end; if one does, start it again.
                     tracing::warn!("the source's watch ended; restarting it");
@@ -375,41 +419,57 @@ async fn run_watch<S: Source>(
     }
     // Dropping the stream stops the watch at the source (for Kubernetes, closes the request).
     drop(updates);
-    tracing::debug!("watch stopped");
+    inner.metrics.watches.get_or_create(&labels).dec();
+    let stop = StopLabels {
+        resource: labels.resource.clone(),
+        reason,
+    };
+    inner.metrics.watch_stops.get_or_create(&stop).inc();
+    tracing::debug!(?reason, "watch stopped");
 }
 
-fn publish(tx: &watch::Sender<State>, stats: &Stats, item: Result<Observed, SourceError>) {
+fn publish(
+    tx: &watch::Sender<State>,
+    stats: &Stats,
+    metrics: &Metrics,
+    labels: &ResourceLabels,
+    item: Result<Observed, SourceError>,
+) {
     *stats
         .last_event
         .lock()
         .unwrap_or_else(PoisonError::into_inner) = Some(SystemTime::now());
-    match item {
-        Ok(Observed::Present(object)) => {
-            tx.send_if_modified(|state| match state {
-                State::Present(u) if u.same_version(&object) => false,
-                _ => {
-                    *state = State::Present(Arc::new(Update::new(object)));
-                    true
-                }
-            });
-        }
-        Ok(Observed::Absent) => {
-            tx.send_if_modified(|state| match state {
-                State::Absent { .. } => false,
-                State::Present(u) => {
-                    *state = State::Absent {
-                        last: Some(u.clone()),
-                    };
-                    true
-                }
-                State::Pending | State::Failed(_) => {
-                    *state = State::Absent { last: None };
-                    true
-                }
-            });
-        }
+    let subscribers = tx.receiver_count();
+    let modified = match item {
+        Ok(Observed::Present(object)) => tx.send_if_modified(|state| match state {
+            State::Present(u) if u.same_version(&object) => false,
+            _ => {
+                let update = Update::new(object);
+                update.pending.store(subscribers, Ordering::Release);
+                *state = State::Present(Arc::new(update));
+                true
+            }
+        }),
+        Ok(Observed::Absent) => tx.send_if_modified(|state| match state {
+            State::Absent { .. } => false,
+            State::Present(u) => {
+                *state = State::Absent {
+                    last: Some(u.clone()),
+                };
+                true
+            }
+            State::Pending | State::Failed(_) => {
+                *state = State::Absent { last: None };
+                true
+            }
+        }),
         Err(error) => {
             stats.errors.fetch_add(1, Ordering::Relaxed);
+            let error_labels = ErrorLabels {
+                resource: labels.resource.clone(),
+                reason: error.reason().to_string(),
+            };
+            metrics.watch_errors.get_or_create(&error_labels).inc();
             tracing::warn!(%error, "source error; the source retries");
             // Only a resource nobody has seen yet is reported as failed; otherwise subscribers
             // keep the last known state while the source recovers.
@@ -424,6 +484,10 @@ fn publish(tx: &watch::Sender<State>, stats: &Stats, item: Result<Observed, Sour
                 }
                 _ => false,
             });
+            false
         }
+    };
+    if modified {
+        metrics.updates.get_or_create(labels).inc();
     }
 }

@@ -41,6 +41,10 @@ impl Source for Scripted {
         Ok(selector.clone())
     }
 
+    async fn check(&self) -> Result<(), String> {
+        Ok(())
+    }
+
     fn watch(&self, selector: &Selector) -> BoxStream<'static, Result<Observed, SourceError>> {
         self.0.started.fetch_add(1, Ordering::SeqCst);
         self.0.live.fetch_add(1, Ordering::SeqCst);

@@ -182,6 +182,49 @@ impl Kubernetes {
     }
 }
 
+impl Kubernetes {
+    /// Whether the broker's own identity may `verb` the kind, cluster-wide
+    /// (a SelfSubjectAccessReview).
+    async fn may(&self, verb: &str, names: &KindNames) -> Result<(), String> {
+        use k8s_openapi::api::authorization::v1::{
+            ResourceAttributes, SelfSubjectAccessReview, SelfSubjectAccessReviewSpec,
+        };
+        let review = SelfSubjectAccessReview {
+            spec: SelfSubjectAccessReviewSpec {
+                resource_attributes: Some(ResourceAttributes {
+                    group: Some(names.group.clone()),
+                    resource: Some(names.plural.clone()),
+                    verb: Some(verb.to_string()),
+                    ..ResourceAttributes::default()
+                }),
+                ..SelfSubjectAccessReviewSpec::default()
+            },
+            ..SelfSubjectAccessReview::default()
+        };
+        let reviews: Api<SelfSubjectAccessReview> = Api::all(self.client.clone());
+        let answer = reviews
+            .create(&kube::api::PostParams::default(), &review)
+            .await
+            .map_err(|e| {
+                format!(
+                    "asking whether the broker may {verb} {}.{}: {e}",
+                    names.plural, names.group
+                )
+            })?;
+        match answer.status {
+            Some(status) if status.allowed => Ok(()),
+            status => Err(format!(
+                "the broker may not {verb} {}.{} ({})",
+                names.plural,
+                names.group,
+                status
+                    .and_then(|s| s.reason)
+                    .unwrap_or_else(|| "no reason given".into())
+            )),
+        }
+    }
+}
+
 /// An API error, by what a subscriber should make of it.
 fn api_error(error: kube::Error) -> SourceError {
     match error {
@@ -215,6 +258,23 @@ impl Source for Kubernetes {
         found
             .names
             .canonical(selector, &found.version, &self.allowed)
+    }
+
+    async fn check(&self) -> Result<(), String> {
+        self.client
+            .apiserver_version()
+            .await
+            .map_err(|e| format!("the API server does not answer: {e}"))?;
+        for kind in &self.allowed {
+            let found = self
+                .discover(kind)
+                .await
+                .map_err(|e| format!("--resource {kind}: {e}"))?;
+            for verb in ["list", "watch"] {
+                self.may(verb, &found.names).await?;
+            }
+        }
+        Ok(())
     }
 
     fn watch(&self, selector: &Selector) -> BoxStream<'static, Result<Observed, SourceError>> {

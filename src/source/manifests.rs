@@ -150,6 +150,12 @@ impl Source for Manifests {
         kind.names.canonical(selector, &version, &self.allowed)
     }
 
+    async fn check(&self) -> Result<(), String> {
+        std::fs::read_dir(&self.dir)
+            .map(|_| ())
+            .map_err(|e| format!("cannot read {}: {e}", self.dir.display()))
+    }
+
     fn watch(&self, selector: &Selector) -> BoxStream<'static, Result<Observed, SourceError>> {
         let selector = selector.clone();
         let rx = self.catalog.clone();

@@ -67,6 +67,19 @@ pub enum SourceError {
     Unavailable(String),
 }
 
+impl SourceError {
+    /// A short label for metrics.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            SourceError::UnknownKind(_) => "unknown_kind",
+            SourceError::NotAllowed(_) => "not_allowed",
+            SourceError::Forbidden(_) => "forbidden",
+            SourceError::Invalid(_) => "invalid",
+            SourceError::Unavailable(_) => "unavailable",
+        }
+    }
+}
+
 /// A source of custom resources.
 pub trait Source: Send + Sync + 'static {
     /// Resolves a selector to its canonical form — the plural and the version filled in —
@@ -80,6 +93,10 @@ pub trait Source: Send + Sync + 'static {
     /// whenever it may have changed (repeats are allowed), and errors as they happen; it retries
     /// by itself and ends only when dropped. Dropping it stops the watch at the source.
     fn watch(&self, selector: &Selector) -> BoxStream<'static, Result<Observed, SourceError>>;
+
+    /// Checks that the source answers and lets the broker read the kinds it serves; `Err` says
+    /// what is wrong. Run in the background for readiness, never per probe.
+    fn check(&self) -> impl Future<Output = Result<(), String>> + Send;
 }
 
 /// Names a kind has: what a selector's resource part may be.

@@ -1,0 +1,385 @@
+//! Metrics (prometheus-client, Prometheus naming), logs (plain or JSON) and traces
+//! (OpenTelemetry over OTLP, configured only by the standard `OTEL_*` variables, off when unset).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+
+use crate::selector::Selector;
+
+/// Labels naming a kind: `featureflags.core.openfeature.dev`.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ResourceLabels {
+    /// `plural.group` of the watched kind.
+    pub resource: String,
+}
+
+impl ResourceLabels {
+    /// The labels for a canonical selector.
+    pub fn of(selector: &Selector) -> Self {
+        ResourceLabels {
+            resource: format!("{}.{}", selector.kind.resource, selector.kind.group),
+        }
+    }
+}
+
+/// Which API a subscriber speaks.
+#[derive(Debug, Clone, Copy, Hash, PartialEq, Eq, EncodeLabelValue)]
+pub enum Protocol {
+    /// `crdbroker.v1.Broker`.
+    Native,
+    /// `flagd.sync.v1.FlagSyncService`.
+    Flagd,
+    /// `sync.v1.FlagSyncService`.
+    FlagdLegacy,
+}
+
+/// Labels of the subscriber gauge.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct SubscriberLabels {
+    /// `plural.group` of the kind.
+    pub resource: String,
+    /// The API.
+    pub protocol: Protocol,
+}
+
+/// Why a watch stopped.
+#[derive(Debug, Clone, Copy, Hash, PartialEq, Eq, EncodeLabelValue)]
+pub enum StopReason {
+    /// Its last subscriber left and the linger ran out.
+    Idle,
+    /// The broker shut down.
+    Shutdown,
+}
+
+/// Labels of the watch-stop counter.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct StopLabels {
+    /// `plural.group` of the kind.
+    pub resource: String,
+    /// Why.
+    pub reason: StopReason,
+}
+
+/// Labels of the watch-error counter.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ErrorLabels {
+    /// `plural.group` of the kind.
+    pub resource: String,
+    /// `unknown_kind`, `forbidden`, `unavailable`, …
+    pub reason: String,
+}
+
+/// Whether a new subscriber found its watch running.
+#[derive(Debug, Clone, Copy, Hash, PartialEq, Eq, EncodeLabelValue)]
+pub enum Watch {
+    /// The subscriber started the watch.
+    Cold,
+    /// The watch was already running (or lingering).
+    Warm,
+}
+
+/// Labels of the first-message histogram.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct FirstMessageLabels {
+    /// The API.
+    pub protocol: Protocol,
+    /// Cold or warm.
+    pub watch: Watch,
+}
+
+/// Labels of the gRPC request counters.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct GrpcLabels {
+    /// `/package.Service/Method`.
+    pub method: String,
+}
+
+/// Labels of the gRPC completion counter.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct GrpcCodeLabels {
+    /// `/package.Service/Method`.
+    pub method: String,
+    /// The status code's name, e.g. `Ok`, `Unavailable`.
+    pub code: String,
+}
+
+/// Every metric the broker exports.
+pub struct Metrics {
+    registry: Registry,
+    /// Watches open, by kind.
+    pub watches: Family<ResourceLabels, Gauge>,
+    /// Subscriptions open, by kind and protocol.
+    pub subscribers: Family<SubscriberLabels, Gauge>,
+    /// Watches started.
+    pub watch_starts: Family<ResourceLabels, Counter>,
+    /// Watches stopped, by reason.
+    pub watch_stops: Family<StopLabels, Counter>,
+    /// Errors the sources reported, by reason.
+    pub watch_errors: Family<ErrorLabels, Counter>,
+    /// New states published to subscribers.
+    pub updates: Family<ResourceLabels, Counter>,
+    /// Seconds from a source event to the last subscriber's write of it.
+    pub fanout_seconds: Family<ResourceLabels, Histogram>,
+    /// Seconds from a subscribe to its first message, per resource.
+    pub first_message_seconds: Family<FirstMessageLabels, Histogram>,
+    /// gRPC requests received.
+    pub grpc_started: Family<GrpcLabels, Counter>,
+    /// gRPC requests completed, by status code.
+    pub grpc_handled: Family<GrpcCodeLabels, Counter>,
+}
+
+fn latency_histogram() -> Histogram {
+    // 100 µs to ~100 s.
+    Histogram::new(exponential_buckets(0.0001, 2.5, 16))
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        let mut registry = Registry::with_prefix("crd_broker");
+        let m = Metrics {
+            watches: Family::default(),
+            subscribers: Family::default(),
+            watch_starts: Family::default(),
+            watch_stops: Family::default(),
+            watch_errors: Family::default(),
+            updates: Family::default(),
+            fanout_seconds: Family::new_with_constructor(latency_histogram),
+            first_message_seconds: Family::new_with_constructor(latency_histogram),
+            grpc_started: Family::default(),
+            grpc_handled: Family::default(),
+            registry: Registry::default(),
+        };
+        registry.register(
+            "watches",
+            "Kubernetes watches open, by kind",
+            m.watches.clone(),
+        );
+        registry.register(
+            "subscribers",
+            "Subscriptions open, by kind and protocol",
+            m.subscribers.clone(),
+        );
+        registry.register("watch_starts", "Watches started", m.watch_starts.clone());
+        registry.register(
+            "watch_stops",
+            "Watches stopped, by reason",
+            m.watch_stops.clone(),
+        );
+        registry.register(
+            "watch_errors",
+            "Errors the source reported, by reason",
+            m.watch_errors.clone(),
+        );
+        registry.register(
+            "updates",
+            "New states published to subscribers",
+            m.updates.clone(),
+        );
+        registry.register(
+            "fanout_seconds",
+            "Seconds from a source event to the last subscriber's write of it",
+            m.fanout_seconds.clone(),
+        );
+        registry.register(
+            "first_message_seconds",
+            "Seconds from a subscribe to its first message, per resource",
+            m.first_message_seconds.clone(),
+        );
+        let grpc = registry.sub_registry_with_prefix("grpc");
+        grpc.register("started", "gRPC requests received", m.grpc_started.clone());
+        grpc.register(
+            "handled",
+            "gRPC requests completed, by status code",
+            m.grpc_handled.clone(),
+        );
+        Metrics { registry, ..m }
+    }
+}
+
+impl Metrics {
+    /// The metrics in the OpenMetrics text format.
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        if let Err(e) = prometheus_client::encoding::text::encode(&mut out, &self.registry) {
+            tracing::error!(error = %e, "encoding metrics");
+        }
+        out
+    }
+}
+
+/// Shared metrics handle.
+pub type SharedMetrics = Arc<Metrics>;
+
+/// Log output formats.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogFormat {
+    /// Human-readable lines (`console`, as flagd-proxy calls it, is the same).
+    #[value(alias = "console")]
+    Plain,
+    /// One JSON object per line.
+    Json,
+}
+
+/// Keeps the trace exporter alive; flushes it when dropped.
+pub struct TelemetryGuard {
+    provider: Option<opentelemetry_sdk::trace::SdkTracerProvider>,
+}
+
+impl TelemetryGuard {
+    /// Flushes and stops the trace exporter (off the async runtime: the SDK blocks).
+    pub async fn shutdown(mut self) {
+        if let Some(provider) = self.provider.take() {
+            let _ = tokio::task::spawn_blocking(move || provider.shutdown()).await;
+        }
+    }
+}
+
+/// Whether the `OTEL_*` environment asks for traces: an OTLP endpoint is set, the SDK is not
+/// disabled and the traces exporter is not `none`.
+pub fn otel_enabled(env: impl Fn(&str) -> Option<String>) -> bool {
+    let set = |k: &str| env(k).is_some_and(|v| !v.trim().is_empty());
+    (set("OTEL_EXPORTER_OTLP_ENDPOINT") || set("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
+        && env("OTEL_SDK_DISABLED").is_none_or(|v| !v.eq_ignore_ascii_case("true"))
+        && env("OTEL_TRACES_EXPORTER").is_none_or(|v| !v.eq_ignore_ascii_case("none"))
+}
+
+/// Installs the log subscriber and, if the environment asks for it, the OTLP trace exporter.
+pub fn init(format: LogFormat, default_level: &str) -> TelemetryGuard {
+    use tracing_subscriber::Layer;
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
+
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_level));
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let fmt = match format {
+        LogFormat::Plain => tracing_subscriber::fmt::layer()
+            .with_ansi(ansi)
+            .with_writer(std::io::stderr)
+            .boxed(),
+        LogFormat::Json => tracing_subscriber::fmt::layer()
+            .json()
+            .with_writer(std::io::stderr)
+            .boxed(),
+    };
+    let provider = if otel_enabled(|k| std::env::var(k).ok()) {
+        match tracer_provider() {
+            Ok(p) => Some(p),
+            Err(e) => {
+                eprintln!("crd-broker: OTLP trace export disabled: {e}");
+                None
+            }
+        }
+    } else {
+        None
+    };
+    let otel = provider.as_ref().map(|p| {
+        use opentelemetry::trace::TracerProvider;
+        tracing_opentelemetry::layer().with_tracer(p.tracer("crd-broker"))
+    });
+    let _ = tracing_subscriber::registry()
+        .with(filter)
+        .with(fmt)
+        .with(otel)
+        .try_init();
+    TelemetryGuard { provider }
+}
+
+fn tracer_provider() -> anyhow::Result<opentelemetry_sdk::trace::SdkTracerProvider> {
+    let exporter = opentelemetry_otlp::SpanExporter::builder()
+        .with_tonic()
+        .build()?;
+    let resource = opentelemetry_sdk::Resource::builder()
+        .with_service_name(
+            std::env::var("OTEL_SERVICE_NAME").unwrap_or_else(|_| "crd-broker".to_string()),
+        )
+        .build();
+    Ok(opentelemetry_sdk::trace::SdkTracerProvider::builder()
+        .with_batch_exporter(exporter)
+        .with_resource(resource)
+        .build())
+}
+
+/// How often the liveness heartbeat ticks.
+pub const HEARTBEAT: Duration = Duration::from_secs(1);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn traces_are_on_only_when_the_environment_asks() {
+        let env = |pairs: &'static [(&'static str, &'static str)]| {
+            move |k: &str| {
+                pairs
+                    .iter()
+                    .find(|(n, _)| *n == k)
+                    .map(|(_, v)| v.to_string())
+            }
+        };
+        assert!(!otel_enabled(env(&[])));
+        assert!(otel_enabled(env(&[(
+            "OTEL_EXPORTER_OTLP_ENDPOINT",
+            "http://c:4317"
+        )])));
+        assert!(otel_enabled(env(&[(
+            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+            "http://c:4317"
+        )])));
+        assert!(!otel_enabled(env(&[
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://c:4317"),
+            ("OTEL_SDK_DISABLED", "true")
+        ])));
+        assert!(!otel_enabled(env(&[
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://c:4317"),
+            ("OTEL_TRACES_EXPORTER", "none")
+        ])));
+    }
+
+    #[test]
+    fn metrics_encode_with_prometheus_names() {
+        let m = Metrics::default();
+        let labels = ResourceLabels {
+            resource: "featureflags.core.openfeature.dev".into(),
+        };
+        m.watches.get_or_create(&labels).inc();
+        m.grpc_handled
+            .get_or_create(&GrpcCodeLabels {
+                method: "/x.Y/Z".into(),
+                code: "Ok".into(),
+            })
+            .inc();
+        let text = m.encode();
+        assert!(
+            text.contains(r#"crd_broker_watches{resource="featureflags.core.openfeature.dev"} 1"#),
+            "{text}"
+        );
+        assert!(
+            text.contains(r#"crd_broker_grpc_handled_total{method="/x.Y/Z",code="Ok"} 1"#),
+            "{text}"
+        );
+        assert!(
+            !text.contains("crd_broker_fanout_seconds"),
+            "families without samples are left out"
+        );
+        m.fanout_seconds.get_or_create(&labels).observe(0.002);
+        let text = m.encode();
+        assert!(
+            text.contains("# TYPE crd_broker_fanout_seconds histogram"),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                r#"crd_broker_fanout_seconds_count{resource="featureflags.core.openfeature.dev"} 1"#
+            ),
+            "{text}"
+        );
+    }
+}
