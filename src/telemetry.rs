@@ -30,7 +30,7 @@ impl ResourceLabels {
 }
 
 /// Which API a subscriber speaks.
-#[derive(Debug, Clone, Copy, Hash, PartialEq, Eq, EncodeLabelValue)]
+#[derive(Debug, Clone, Copy, Hash, PartialEq, Eq)]
 pub enum Protocol {
     /// `crdbroker.v1.Broker`.
     Native,
@@ -50,7 +50,7 @@ pub struct SubscriberLabels {
 }
 
 /// Why a watch stopped.
-#[derive(Debug, Clone, Copy, Hash, PartialEq, Eq, EncodeLabelValue)]
+#[derive(Debug, Clone, Copy, Hash, PartialEq, Eq)]
 pub enum StopReason {
     /// Its last subscriber left and the linger ran out.
     Idle,
@@ -77,13 +77,32 @@ pub struct ErrorLabels {
 }
 
 /// Whether a new subscriber found its watch running.
-#[derive(Debug, Clone, Copy, Hash, PartialEq, Eq, EncodeLabelValue)]
+#[derive(Debug, Clone, Copy, Hash, PartialEq, Eq)]
 pub enum Watch {
     /// The subscriber started the watch.
     Cold,
     /// The watch was already running (or lingering).
     Warm,
 }
+
+/// Label values in Prometheus style: lower snake case.
+macro_rules! label_values {
+    ($ty:ty { $($variant:ident => $text:literal),* $(,)? }) => {
+        impl EncodeLabelValue for $ty {
+            fn encode(
+                &self,
+                encoder: &mut prometheus_client::encoding::LabelValueEncoder<'_>,
+            ) -> Result<(), std::fmt::Error> {
+                use std::fmt::Write;
+                encoder.write_str(match self { $(Self::$variant => $text),* })
+            }
+        }
+    };
+}
+
+label_values!(Protocol { Native => "native", Flagd => "flagd", FlagdLegacy => "flagd_legacy" });
+label_values!(StopReason { Idle => "idle", Shutdown => "shutdown" });
+label_values!(Watch { Cold => "cold", Warm => "warm" });
 
 /// Labels of the first-message histogram.
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]

@@ -62,6 +62,52 @@ pub fn broker_at(
         .expect("the broker starts")
 }
 
+/// A broker on `listeners` with `config`, its Kubernetes source the fake, serving `allowed`.
+pub fn broker_with(
+    fake: &FakeApiServer,
+    listeners: crd_broker::server::Listeners,
+    config: crd_broker::server::ServerConfig,
+    allowed: Vec<KindRef>,
+) -> Running<Kubernetes> {
+    Running::start_with(
+        listeners,
+        Kubernetes::new(kube_client(fake), allowed),
+        config,
+    )
+    .expect("the broker starts")
+}
+
+/// A fake API server with the FeatureFlag CRD (bookmarks every second).
+pub async fn fake() -> FakeApiServer {
+    let options = Options::default()
+        .crd_yaml(CRD)
+        .expect("the CRD parses")
+        .bookmark_every(Duration::from_secs(1));
+    FakeApiServer::start_with(options)
+        .await
+        .expect("the fake starts")
+}
+
+/// A plain HTTP/1.1 GET on loopback: the status code and the body.
+pub async fn http_get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    let request = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+    stream.write_all(request.as_bytes()).await.expect("write");
+    let mut response = String::new();
+    stream.read_to_string(&mut response).await.expect("read");
+    let status = response
+        .split(' ')
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    let body = response
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default();
+    (status, body)
+}
+
 /// A broker on 127.0.0.1:0 whose Kubernetes source is the fake.
 pub async fn broker_on(
     fake: &FakeApiServer,

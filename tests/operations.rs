@@ -1,0 +1,748 @@
+//! Running it for real, in process: health that follows readiness, the admin endpoints, metrics
+//! that move, reflection, connection age with GOAWAY on the wire, keepalive, unix sockets, TLS
+//! and mTLS with certificate reload.
+
+mod support;
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use crd_broker::pb::subscribe_response::Event;
+use crd_broker::server::{Listeners, ServerConfig};
+use fake_apiserver::{Deny, Matcher};
+use serde_json::Value;
+use support::*;
+use tokio::net::TcpListener;
+use tonic::Code;
+use tonic_health::pb::HealthCheckRequest;
+use tonic_health::pb::health_check_response::ServingStatus;
+use tonic_health::pb::health_client::HealthClient;
+
+async fn channel(addr: std::net::SocketAddr) -> tonic::transport::Channel {
+    tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap()
+}
+
+fn fast() -> ServerConfig {
+    ServerConfig {
+        linger: Duration::ZERO,
+        readiness_interval: Duration::from_millis(200),
+        ..ServerConfig::default()
+    }
+}
+
+async fn listeners_with_admin() -> Listeners {
+    Listeners {
+        tcp: Some(TcpListener::bind("127.0.0.1:0").await.unwrap()),
+        admin: Some(TcpListener::bind("127.0.0.1:0").await.unwrap()),
+        ..Listeners::default()
+    }
+}
+
+async fn health(addr: std::net::SocketAddr, service: &str) -> ServingStatus {
+    let mut client = HealthClient::new(channel(addr).await);
+    let response = client
+        .check(HealthCheckRequest {
+            service: service.to_string(),
+        })
+        .await
+        .unwrap();
+    response.into_inner().status()
+}
+
+#[tokio::test]
+async fn readiness_and_health_follow_the_source_and_rbac() {
+    let fake = fake().await;
+    // The broker may not list FeatureFlags: not ready, and health says so.
+    fake.deny(Deny {
+        verb: Some("list".into()),
+        resource: Some("featureflags".into()),
+        ..Deny::default()
+    });
+    let allowed = vec!["featureflags.core.openfeature.dev".parse().unwrap()];
+    let broker = broker_with(&fake, listeners_with_admin().await, fast(), allowed);
+    let admin = broker.admin_addr.unwrap();
+    assert_eq!(
+        health(broker.addr, "").await,
+        ServingStatus::NotServing,
+        "the overall service starts NOT_SERVING"
+    );
+    let settled = tokio::time::timeout(WAIT, async {
+        loop {
+            let (code, body) = http_get(admin, "/readyz").await;
+            if code == 503 && body.contains("may not list featureflags.core.openfeature.dev") {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    assert!(settled.is_ok(), "readyz names what is missing");
+    assert_eq!(health(broker.addr, "").await, ServingStatus::NotServing);
+    assert_eq!(
+        health(broker.addr, "flagd.sync.v1.FlagSyncService").await,
+        ServingStatus::NotServing
+    );
+
+    // Checked in the background and cached: probes cost the API server nothing.
+    let reviews = "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews";
+    let before = fake.request_count("create", reviews);
+    for _ in 0..30 {
+        http_get(admin, "/readyz").await;
+    }
+    assert!(
+        fake.request_count("create", reviews) < before + 5,
+        "30 probes, only the background checks reached the API server"
+    );
+
+    // RBAC fixed: ready within a check interval.
+    fake.clear_faults();
+    assert!(
+        tokio::time::timeout(WAIT, async {
+            while http_get(admin, "/readyz").await.0 != 200 {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        })
+        .await
+        .is_ok()
+    );
+    assert_eq!(health(broker.addr, "").await, ServingStatus::Serving);
+    assert_eq!(
+        health(broker.addr, "crdbroker.v1.Broker").await,
+        ServingStatus::Serving
+    );
+    assert_eq!(http_get(admin, "/livez").await.0, 200);
+
+    // The API server down: not ready; back: ready.
+    fake.stop_listening();
+    assert!(
+        tokio::time::timeout(WAIT, async {
+            while http_get(admin, "/readyz").await.0 != 503 {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        })
+        .await
+        .is_ok(),
+        "not ready while the API server is down"
+    );
+    let (_, reason) = http_get(admin, "/readyz").await;
+    assert!(reason.contains("does not answer"), "{reason}");
+    fake.start_listening().await.unwrap();
+    assert!(
+        tokio::time::timeout(WAIT, async {
+            while http_get(admin, "/readyz").await.0 != 200 {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        })
+        .await
+        .is_ok()
+    );
+}
+
+/// Parses the OpenMetrics text into `name{labels}` → value.
+fn scrape(text: &str) -> BTreeMap<String, f64> {
+    text.lines()
+        .filter(|l| !l.starts_with('#') && !l.is_empty())
+        .filter_map(|l| {
+            let (k, v) = l.rsplit_once(' ')?;
+            Some((k.to_string(), v.parse().ok()?))
+        })
+        .collect()
+}
+
+async fn metrics(admin: std::net::SocketAddr) -> BTreeMap<String, f64> {
+    let (code, body) = http_get(admin, "/metrics").await;
+    assert_eq!(code, 200);
+    scrape(&body)
+}
+
+fn get(m: &BTreeMap<String, f64>, key: &str) -> f64 {
+    m.get(key).copied().unwrap_or(0.0)
+}
+
+#[tokio::test]
+async fn metrics_and_debug_watches_move_as_the_broker_works() {
+    let fake = fake().await;
+    fake.apply(flag("demo", "on")).unwrap();
+    let broker = broker_with(&fake, listeners_with_admin().await, fast(), vec![]);
+    let admin = broker.admin_addr.unwrap();
+    const R: &str = r#"resource="featureflags.core.openfeature.dev""#;
+
+    let mut client = connect(broker.addr).await;
+    let mut first = subscribe(&mut client, &[&demo("demo")]).await;
+    next(&mut first).await;
+    let mut second = subscribe(&mut client, &[&demo("demo")]).await;
+    next(&mut second).await;
+    let m = metrics(admin).await;
+    assert_eq!(get(&m, &format!("crd_broker_watches{{{R}}}")), 1.0);
+    assert_eq!(
+        get(&m, &format!("crd_broker_watch_starts_total{{{R}}}")),
+        1.0
+    );
+    assert_eq!(
+        get(
+            &m,
+            &format!(r#"crd_broker_subscribers{{{R},protocol="native"}}"#)
+        ),
+        2.0
+    );
+    assert_eq!(
+        get(
+            &m,
+            r#"crd_broker_first_message_seconds_count{protocol="native",watch="cold"}"#
+        ),
+        1.0
+    );
+    assert_eq!(
+        get(
+            &m,
+            r#"crd_broker_first_message_seconds_count{protocol="native",watch="warm"}"#
+        ),
+        1.0
+    );
+    assert_eq!(
+        get(
+            &m,
+            r#"crd_broker_grpc_started_total{method="/crdbroker.v1.Broker/Subscribe"}"#
+        ),
+        2.0
+    );
+
+    // An update reaching both subscribers: one fan-out sample.
+    let updates_before = get(&m, &format!("crd_broker_updates_total{{{R}}}"));
+    fake.merge_patch(GV, "featureflags", "default", "demo", variant_patch("off"))
+        .unwrap();
+    next(&mut first).await;
+    next(&mut second).await;
+    let m = metrics(admin).await;
+    assert_eq!(
+        get(&m, &format!("crd_broker_updates_total{{{R}}}")),
+        updates_before + 1.0
+    );
+    assert_eq!(
+        get(&m, &format!("crd_broker_fanout_seconds_count{{{R}}}")),
+        1.0
+    );
+
+    // /debug/watches shows the watch.
+    let (_, body) = http_get(admin, "/debug/watches").await;
+    let watches: Value = serde_json::from_str(&body).unwrap();
+    let w = &watches["watches"][0];
+    assert_eq!(
+        w["selector"],
+        "featureflags.v1beta1.core.openfeature.dev/default/demo"
+    );
+    assert_eq!(w["subscribers"], 2);
+    let stored = fake.get(GV, "featureflags", "default", "demo").unwrap();
+    assert_eq!(w["resourceVersion"], stored["metadata"]["resourceVersion"]);
+    assert!(
+        w["lastEvent"].is_string() && w["ageSeconds"].is_u64() && w["errors"] == 0,
+        "{w}"
+    );
+
+    // A source error is counted; a bad request is counted by its code.
+    fake.fail_next(Matcher::verb("watch"), 1, 500, None);
+    fake.error_watches(500);
+    let err = client
+        .subscribe(request(&["nope.example.com/default/x"]))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::NotFound);
+    assert!(
+        tokio::time::timeout(WAIT, async {
+            loop {
+                let m = metrics(admin).await;
+                if get(
+                    &m,
+                    &format!(r#"crd_broker_watch_errors_total{{{R},reason="unavailable"}}"#),
+                ) >= 1.0
+                {
+                    return m;
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        })
+        .await
+        .is_ok()
+    );
+    let m = metrics(admin).await;
+    assert_eq!(
+        get(
+            &m,
+            r#"crd_broker_grpc_handled_total{method="/crdbroker.v1.Broker/Subscribe",code="NotFound"}"#
+        ),
+        1.0
+    );
+
+    // Everyone leaves (no linger): the watch stops, counted as idle, and the gauges go to zero.
+    drop((first, second));
+    assert!(
+        tokio::time::timeout(WAIT, async {
+            loop {
+                let m = metrics(admin).await;
+                if get(
+                    &m,
+                    &format!(r#"crd_broker_watch_stops_total{{{R},reason="idle"}}"#),
+                ) == 1.0
+                {
+                    return m;
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        })
+        .await
+        .is_ok()
+    );
+    let m = metrics(admin).await;
+    assert_eq!(get(&m, &format!("crd_broker_watches{{{R}}}")), 0.0);
+    assert_eq!(
+        get(
+            &m,
+            &format!(r#"crd_broker_subscribers{{{R},protocol="native"}}"#)
+        ),
+        0.0
+    );
+    assert_eq!(
+        get(
+            &m,
+            r#"crd_broker_grpc_handled_total{method="/crdbroker.v1.Broker/Subscribe",code="Cancelled"}"#
+        ),
+        2.0,
+        "streams the clients dropped"
+    );
+
+    // flagd streams are counted under their protocol.
+    let mut flagd =
+        crd_broker::pb::flagd::flag_sync_service_client::FlagSyncServiceClient::connect(format!(
+            "http://{}",
+            broker.addr
+        ))
+        .await
+        .unwrap();
+    let mut s = flagd
+        .sync_flags(crd_broker::pb::flagd::SyncFlagsRequest {
+            provider_id: String::new(),
+            selector: "core.openfeature.dev/default/demo".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    s.message().await.unwrap();
+    let m = metrics(admin).await;
+    assert_eq!(
+        get(
+            &m,
+            &format!(r#"crd_broker_subscribers{{{R},protocol="flagd"}}"#)
+        ),
+        1.0
+    );
+}
+
+#[tokio::test]
+async fn reflection_lists_and_describes_the_services() {
+    use tonic_reflection::pb::v1::ServerReflectionRequest;
+    use tonic_reflection::pb::v1::server_reflection_client::ServerReflectionClient;
+    use tonic_reflection::pb::v1::server_reflection_request::MessageRequest;
+    use tonic_reflection::pb::v1::server_reflection_response::MessageResponse;
+
+    let fake = fake().await;
+    let broker = broker_with(&fake, listeners_with_admin().await, fast(), vec![]);
+    let mut client = ServerReflectionClient::new(channel(broker.addr).await);
+    let ask = |m: MessageRequest| ServerReflectionRequest {
+        host: String::new(),
+        message_request: Some(m),
+    };
+    let requests = futures::stream::iter(vec![
+        ask(MessageRequest::ListServices(String::new())),
+        ask(MessageRequest::FileContainingSymbol(
+            "crdbroker.v1.Broker".into(),
+        )),
+        ask(MessageRequest::FileContainingSymbol(
+            "flagd.sync.v1.FlagSyncService".into(),
+        )),
+    ]);
+    let mut responses = client
+        .server_reflection_info(requests)
+        .await
+        .unwrap()
+        .into_inner();
+    let services = match responses.message().await.unwrap().unwrap().message_response {
+        Some(MessageResponse::ListServicesResponse(l)) => {
+            l.service.into_iter().map(|s| s.name).collect::<Vec<_>>()
+        }
+        other => panic!("{other:?}"),
+    };
+    for name in [
+        "crdbroker.v1.Broker",
+        "flagd.sync.v1.FlagSyncService",
+        "sync.v1.FlagSyncService",
+        "grpc.health.v1.Health",
+        "grpc.reflection.v1.ServerReflection",
+    ] {
+        assert!(services.iter().any(|s| s == name), "{name} in {services:?}");
+    }
+    for _ in 0..2 {
+        match responses.message().await.unwrap().unwrap().message_response {
+            Some(MessageResponse::FileDescriptorResponse(f)) => {
+                assert!(!f.file_descriptor_proto.is_empty())
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+}
+
+/// Records h2 frames the client receives, from h2's own debug events.
+#[derive(Clone, Default)]
+struct Frames(Arc<Mutex<Vec<(tokio::time::Instant, String)>>>);
+
+impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Frames {
+    fn on_event(
+        &self,
+        event: &tracing::Event<'_>,
+        _ctx: tracing_subscriber::layer::Context<'_, S>,
+    ) {
+        if !event.metadata().target().starts_with("h2") {
+            return;
+        }
+        struct Text(String);
+        impl tracing::field::Visit for Text {
+            fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+                self.0.push_str(&format!("{}={value:?} ", field.name()));
+            }
+        }
+        let mut text = Text(String::new());
+        event.record(&mut text);
+        if text.0.contains("received") {
+            self.0
+                .lock()
+                .unwrap()
+                .push((tokio::time::Instant::now(), text.0));
+        }
+    }
+}
+
+impl Frames {
+    fn goaways(&self) -> Vec<(tokio::time::Instant, String)> {
+        self.0
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(_, t)| t.contains("GoAway"))
+            .cloned()
+            .collect()
+    }
+}
+
+#[tokio::test]
+async fn at_its_age_a_connection_gets_goaway_its_streams_end_unavailable_and_it_closes_after_the_grace()
+ {
+    use tracing_subscriber::layer::SubscriberExt;
+    let frames = Frames::default();
+    let subscriber = tracing_subscriber::registry()
+        .with(tracing_subscriber::filter::Targets::new().with_target("h2", tracing::Level::DEBUG))
+        .with(frames.clone());
+    let _guard = tracing::subscriber::set_default(subscriber);
+
+    let fake = fake().await;
+    fake.apply(flag("demo", "on")).unwrap();
+    let config = ServerConfig {
+        max_connection_age: Some(Duration::from_secs(1)),
+        max_connection_age_grace: Duration::from_secs(2),
+        ..fast()
+    };
+    let broker = broker_with(&fake, listeners_with_admin().await, config, vec![]);
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", broker.addr))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let opened = tokio::time::Instant::now();
+    let mut client = crd_broker::pb::broker_client::BrokerClient::new(channel.clone());
+    let mut s = client
+        .subscribe(request(&[&demo("demo")]))
+        .await
+        .unwrap()
+        .into_inner();
+    next(&mut s).await;
+    // A stream that knows nothing of the drain: health Watch, on the same connection.
+    let mut health = HealthClient::new(channel.clone());
+    let mut watch = health
+        .watch(HealthCheckRequest {
+            service: String::new(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    watch.message().await.unwrap();
+
+    let ended = tokio::time::timeout(WAIT, s.message())
+        .await
+        .unwrap()
+        .unwrap_err();
+    let at = opened.elapsed();
+    assert_eq!(ended.code(), Code::Unavailable, "{}", ended.message());
+    assert!(
+        at >= Duration::from_millis(850) && at < Duration::from_millis(1800),
+        "ended at {at:?}, age 1 s ± 10 %"
+    );
+    let goaways = frames.goaways();
+    assert!(!goaways.is_empty(), "a GOAWAY frame arrived");
+    assert!(
+        goaways[0].0.duration_since(opened) < Duration::from_millis(1800),
+        "at the age: {:?}",
+        goaways[0].0.duration_since(opened)
+    );
+    assert!(goaways[0].1.contains("NO_ERROR"), "{}", goaways[0].1);
+
+    // The health watch outlives the age; the connection is closed at age + grace.
+    let closed = tokio::time::timeout(WAIT, async {
+        loop {
+            match watch.message().await {
+                Ok(Some(_)) => continue,
+                other => return other,
+            }
+        }
+    })
+    .await
+    .expect("the connection closes");
+    assert!(closed.is_err() || closed.as_ref().is_ok_and(Option::is_none));
+    let at = opened.elapsed();
+    assert!(
+        at >= Duration::from_millis(2700),
+        "closed at {at:?}, after the grace"
+    );
+
+    // The client reconnects by itself: a new subscription works.
+    let mut again = client
+        .subscribe(request(&[&demo("demo")]))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(next(&mut again).await.event(), Event::Snapshot);
+}
+
+#[tokio::test]
+async fn client_pings_every_100ms_are_permitted() {
+    let fake = fake().await;
+    fake.apply(flag("demo", "on")).unwrap();
+    let broker = broker_with(&fake, listeners_with_admin().await, fast(), vec![]);
+    // Far more often than the providers' 30 s: the server must not answer with GOAWAY
+    // (ENHANCE_YOUR_CALM), as grpc-go's default enforcement would.
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", broker.addr))
+        .unwrap()
+        .http2_keep_alive_interval(Duration::from_millis(100))
+        .keep_alive_while_idle(true)
+        .keep_alive_timeout(Duration::from_secs(1))
+        .connect()
+        .await
+        .unwrap();
+    let mut client = crd_broker::pb::broker_client::BrokerClient::new(channel);
+    let mut s = client
+        .subscribe(request(&[&demo("demo")]))
+        .await
+        .unwrap()
+        .into_inner();
+    next(&mut s).await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    fake.merge_patch(GV, "featureflags", "default", "demo", variant_patch("off"))
+        .unwrap();
+    assert!(
+        is(&next(&mut s).await, Event::Updated, "off"),
+        "the stream lived through 30 pings"
+    );
+}
+
+#[tokio::test]
+async fn a_unix_socket_serves_alongside_tcp() {
+    let fake = fake().await;
+    fake.apply(flag("demo", "on")).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("broker.sock");
+    let listeners = Listeners {
+        tcp: Some(TcpListener::bind("127.0.0.1:0").await.unwrap()),
+        unix: Some((tokio::net::UnixListener::bind(&path).unwrap(), path.clone())),
+        ..Listeners::default()
+    };
+    let broker = broker_with(&fake, listeners, fast(), vec![]);
+    let channel = tonic::transport::Endpoint::from_shared(format!("unix://{}", path.display()))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut client = crd_broker::pb::broker_client::BrokerClient::new(channel);
+    let mut s = client
+        .subscribe(request(&[&demo("demo")]))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(next(&mut s).await.event(), Event::Snapshot);
+    let mut tcp = connect(broker.addr).await;
+    let mut t = subscribe(&mut tcp, &[&demo("demo")]).await;
+    next(&mut t).await;
+    assert_eq!(fake.open_watches(), 1, "one watch for both listeners");
+    broker.stop().await.unwrap();
+    assert!(!path.exists(), "the socket file is removed at exit");
+}
+
+struct Pki {
+    ca: String,
+    server_cert: String,
+    server_key: String,
+    client_cert: String,
+    client_key: String,
+}
+
+fn pki(name: &str) -> Pki {
+    use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair};
+    let ca_key = KeyPair::generate().unwrap();
+    let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    ca_params
+        .distinguished_name
+        .push(DnType::CommonName, format!("{name} CA"));
+    let ca = ca_params.self_signed(&ca_key).unwrap();
+    let issuer = Issuer::new(ca_params, ca_key);
+    let leaf = |sans: Vec<String>| {
+        let key = KeyPair::generate().unwrap();
+        let cert = CertificateParams::new(sans)
+            .unwrap()
+            .signed_by(&key, &issuer)
+            .unwrap();
+        (cert.pem(), key.serialize_pem())
+    };
+    let (server_cert, server_key) = leaf(vec!["localhost".into(), "127.0.0.1".into()]);
+    let (client_cert, client_key) = leaf(vec!["client.example".into()]);
+    Pki {
+        ca: ca.pem(),
+        server_cert,
+        server_key,
+        client_cert,
+        client_key,
+    }
+}
+
+async fn tls_client(
+    addr: std::net::SocketAddr,
+    pki: &Pki,
+    with_cert: bool,
+) -> Result<
+    crd_broker::pb::broker_client::BrokerClient<tonic::transport::Channel>,
+    tonic::transport::Error,
+> {
+    use tonic::transport::{Certificate, ClientTlsConfig, Identity};
+    let mut tls = ClientTlsConfig::new()
+        .ca_certificate(Certificate::from_pem(&pki.ca))
+        .domain_name("localhost");
+    if with_cert {
+        tls = tls.identity(Identity::from_pem(&pki.client_cert, &pki.client_key));
+    }
+    let channel = tonic::transport::Endpoint::from_shared(format!("https://{addr}"))
+        .unwrap()
+        .tls_config(tls)?
+        .connect()
+        .await?;
+    Ok(crd_broker::pb::broker_client::BrokerClient::new(channel))
+}
+
+#[tokio::test]
+async fn mtls_with_certificates_reloaded_without_dropping_connections() {
+    use crd_broker::tls::{Tls, TlsFiles};
+    let fake = fake().await;
+    fake.apply(flag("demo", "on")).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let write = |pki: &Pki| {
+        // Replace, as a certificate manager's rename does.
+        for (name, text) in [
+            ("tls.crt", &pki.server_cert),
+            ("tls.key", &pki.server_key),
+            ("ca.crt", &pki.ca),
+        ] {
+            let tmp = dir.path().join(format!(".{name}"));
+            std::fs::write(&tmp, text).unwrap();
+            std::fs::rename(&tmp, dir.path().join(name)).unwrap();
+        }
+    };
+    let first = pki("first");
+    write(&first);
+    let files = TlsFiles {
+        cert: dir.path().join("tls.crt"),
+        key: dir.path().join("tls.key"),
+        client_ca: Some(dir.path().join("ca.crt")),
+    };
+    let tls = Tls::load(files).unwrap();
+    let listeners = Listeners {
+        tcp: Some(TcpListener::bind("127.0.0.1:0").await.unwrap()),
+        tls: Some(tls.clone()),
+        ..Listeners::default()
+    };
+    let broker = broker_with(&fake, listeners, fast(), vec![]);
+
+    let mut client = tls_client(broker.addr, &first, true).await.unwrap();
+    let mut s = client
+        .subscribe(request(&[&demo("demo")]))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(next(&mut s).await.event(), Event::Snapshot);
+    // Without a client certificate: refused.
+    let anonymous = match tls_client(broker.addr, &first, false).await {
+        Ok(mut c) => c
+            .subscribe(request(&[&demo("demo")]))
+            .await
+            .map(|_| ())
+            .unwrap_err()
+            .code(),
+        Err(_) => Code::Unavailable,
+    };
+    assert_ne!(anonymous, Code::Ok);
+    let plain = connect_plain(broker.addr).await;
+    assert!(plain.is_err(), "plaintext is refused on a TLS listener");
+
+    // Rotate to a new CA and certificates.
+    let second = pki("second");
+    write(&second);
+    assert!(tls.reload_if_changed(), "the new files are loaded");
+    // The open connection is untouched: it keeps receiving.
+    fake.merge_patch(GV, "featureflags", "default", "demo", variant_patch("off"))
+        .unwrap();
+    assert!(is(&next(&mut s).await, Event::Updated, "off"));
+    // New connections use the new certificates; the old CA no longer works.
+    let mut rotated = tls_client(broker.addr, &second, true).await.unwrap();
+    let mut r = rotated
+        .subscribe(request(&[&demo("demo")]))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(is(&next(&mut r).await, Event::Snapshot, "off"));
+    let stale = match tls_client(broker.addr, &first, true).await {
+        Ok(mut c) => c
+            .subscribe(request(&[&demo("demo")]))
+            .await
+            .map(|_| ())
+            .is_err(),
+        Err(_) => true,
+    };
+    assert!(
+        stale,
+        "a client trusting only the old CA cannot connect any more"
+    );
+}
+
+async fn connect_plain(addr: std::net::SocketAddr) -> Result<(), tonic::Status> {
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .connect_timeout(Duration::from_secs(2))
+        .timeout(Duration::from_secs(2))
+        .connect()
+        .await
+        .map_err(|e| tonic::Status::unavailable(e.to_string()))?;
+    let mut client = crd_broker::pb::broker_client::BrokerClient::new(channel);
+    client
+        .subscribe(request(&[&demo("demo")]))
+        .await
+        .map(|_| ())
+}
