@@ -1,0 +1,514 @@
+//! The broker as real processes: drain on SIGTERM under load, a second signal, traces to an
+//! OTLP collector, and several replicas that clients spread over and fail over between.
+
+mod support;
+
+use std::net::SocketAddr;
+use std::process::Stdio;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use crd_broker::pb::subscribe_response::Event;
+use support::*;
+use tokio::process::{Child, Command};
+use tokio::sync::Mutex;
+use tonic::Code;
+use tonic_health::pb::HealthCheckRequest;
+use tonic_health::pb::health_check_response::ServingStatus;
+use tonic_health::pb::health_client::HealthClient;
+
+const BIN: &str = env!("CARGO_BIN_EXE_crd-broker");
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+struct Process {
+    child: Child,
+    grpc: SocketAddr,
+    admin: SocketAddr,
+}
+
+impl Process {
+    fn pid(&self) -> u32 {
+        self.child.id().expect("running")
+    }
+
+    fn signal(&self, signal: &str) {
+        let status = std::process::Command::new("kill")
+            .args([&format!("-{signal}"), &self.pid().to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success());
+    }
+}
+
+/// Starts `crd-broker serve` on loopback ports against the fake, and waits until it is ready.
+async fn spawn(kubeconfig: &std::path::Path, args: &[&str], env: &[(&str, &str)]) -> Process {
+    let (grpc, admin) = (free_port(), free_port());
+    let child = Command::new(BIN)
+        .args([
+            "serve",
+            "--grpc-addr",
+            &format!("127.0.0.1:{grpc}"),
+            "--admin-addr",
+            &format!("127.0.0.1:{admin}"),
+        ])
+        .args(["--readiness-interval", "200ms"])
+        .args(args)
+        .env("KUBECONFIG", kubeconfig)
+        .envs(env.iter().copied())
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("the broker starts");
+    let admin: SocketAddr = ([127, 0, 0, 1], admin).into();
+    let ready = tokio::time::timeout(Duration::from_secs(20), async {
+        loop {
+            if let Ok(Ok((200, _))) =
+                tokio::time::timeout(Duration::from_secs(1), try_get(admin, "/readyz")).await
+            {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    assert!(ready.is_ok(), "the broker becomes ready");
+    Process {
+        child,
+        grpc: ([127, 0, 0, 1], grpc).into(),
+        admin,
+    }
+}
+
+async fn try_get(addr: SocketAddr, path: &str) -> std::io::Result<(u16, String)> {
+    tokio::net::TcpStream::connect(addr).await?;
+    Ok(http_get(addr, path).await)
+}
+
+async fn fake_with_kubeconfig() -> (
+    fake_apiserver::FakeApiServer,
+    tempfile::TempDir,
+    std::path::PathBuf,
+) {
+    let fake = fake().await;
+    let dir = tempfile::tempdir().unwrap();
+    let kubeconfig = dir.path().join("kubeconfig");
+    fake.write_kubeconfig(&kubeconfig).unwrap();
+    (fake, dir, kubeconfig)
+}
+
+async fn health_watch(addr: SocketAddr) -> tonic::Streaming<tonic_health::pb::HealthCheckResponse> {
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut health = HealthClient::new(channel);
+    health
+        .watch(HealthCheckRequest {
+            service: String::new(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_drains_a_real_process_under_load() {
+    let (fake, _dir, kubeconfig) = fake_with_kubeconfig().await;
+    fake.apply(flag("demo", "v0")).unwrap();
+    let broker = spawn(
+        &kubeconfig,
+        &["--shutdown-grace", "4s", "--linger", "0s"],
+        &[],
+    )
+    .await;
+
+    // 50 subscribers over 5 connections, all reading, while the resource changes every 10 ms.
+    let endings = Arc::new(Mutex::new(Vec::new()));
+    let received = Arc::new(AtomicUsize::new(0));
+    let mut readers = Vec::new();
+    for _ in 0..5 {
+        let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", broker.grpc))
+            .unwrap()
+            .connect()
+            .await
+            .unwrap();
+        for _ in 0..10 {
+            let mut client = crd_broker::pb::broker_client::BrokerClient::new(channel.clone());
+            let mut s = client
+                .subscribe(request(&[&demo("demo")]))
+                .await
+                .unwrap()
+                .into_inner();
+            let (endings, received) = (endings.clone(), received.clone());
+            readers.push(tokio::spawn(async move {
+                loop {
+                    match s.message().await {
+                        Ok(Some(_)) => {
+                            received.fetch_add(1, Ordering::Relaxed);
+                        }
+                        Ok(None) => {
+                            endings.lock().await.push(Code::Ok);
+                            return;
+                        }
+                        Err(status) => {
+                            endings.lock().await.push(status.code());
+                            return;
+                        }
+                    }
+                }
+            }));
+        }
+    }
+    let mut health = health_watch(broker.grpc).await;
+    assert_eq!(
+        health.message().await.unwrap().unwrap().status(),
+        ServingStatus::Serving
+    );
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let patching = {
+        let stop = stop.clone();
+        let fake = &fake;
+        async move {
+            let mut i = 0;
+            while !stop.load(Ordering::Relaxed) {
+                i += 1;
+                let _ = fake.merge_patch(
+                    GV,
+                    "featureflags",
+                    "default",
+                    "demo",
+                    variant_patch(&format!("v{i}")),
+                );
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
+    };
+    let signalled = async {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert!(received.load(Ordering::Relaxed) > 50, "under load");
+        let t0 = tokio::time::Instant::now();
+        broker.signal("TERM");
+        // Health goes down at once, on the watch that is still open.
+        let down = tokio::time::timeout(Duration::from_secs(2), health.message())
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
+        assert_eq!(down.status(), ServingStatus::NotServing);
+        // Readiness too, while the process drains.
+        let (code, body) = http_get(broker.admin, "/readyz").await;
+        assert_eq!(code, 503, "{body}");
+        assert!(body.contains("shutting down"));
+        // No new connections.
+        assert!(
+            tokio::net::TcpStream::connect(broker.grpc).await.is_err(),
+            "the listener is closed"
+        );
+        stop.store(true, Ordering::Relaxed);
+        t0
+    };
+    let (t0, ()) = tokio::join!(signalled, patching);
+    for r in readers {
+        tokio::time::timeout(Duration::from_secs(5), r)
+            .await
+            .expect("every stream ends")
+            .unwrap();
+    }
+    let endings = endings.lock().await.clone();
+    assert_eq!(endings.len(), 50);
+    assert!(
+        endings.iter().all(|c| *c == Code::Unavailable),
+        "every stream ends with UNAVAILABLE, never OK: {endings:?}"
+    );
+    let mut child = broker.child;
+    let status = tokio::time::timeout(Duration::from_secs(6), child.wait())
+        .await
+        .expect("exits within the grace")
+        .unwrap();
+    assert!(status.success(), "{status:?}");
+    let took = t0.elapsed();
+    assert!(
+        took < Duration::from_secs(5),
+        "exited {took:?} after SIGTERM (grace 4 s)"
+    );
+    assert!(
+        fake.wait_for(WAIT, |f| f.open_watches() == 0).await,
+        "its watch is gone from the API server"
+    );
+}
+
+#[tokio::test]
+async fn a_second_signal_exits_at_once() {
+    let (fake, _dir, kubeconfig) = fake_with_kubeconfig().await;
+    fake.apply(flag("demo", "on")).unwrap();
+    let broker = spawn(&kubeconfig, &["--shutdown-grace", "60s"], &[]).await;
+    // A health watch holds its connection open through the drain, which would last the grace.
+    let mut health = health_watch(broker.grpc).await;
+    health.message().await.unwrap();
+    broker.signal("TERM");
+    assert_eq!(
+        health.message().await.unwrap().unwrap().status(),
+        ServingStatus::NotServing
+    );
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let t0 = tokio::time::Instant::now();
+    broker.signal("TERM");
+    let mut child = broker.child;
+    let status = tokio::time::timeout(Duration::from_secs(3), child.wait())
+        .await
+        .expect("exits at once")
+        .unwrap();
+    assert!(t0.elapsed() < Duration::from_secs(2));
+    assert_eq!(status.code(), Some(130));
+}
+
+mod collector {
+    use std::sync::{Arc, Mutex};
+
+    use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
+        TraceService, TraceServiceServer,
+    };
+    use opentelemetry_proto::tonic::collector::trace::v1::{
+        ExportTraceServiceRequest, ExportTraceServiceResponse,
+    };
+    use opentelemetry_proto::tonic::common::v1::any_value::Value;
+
+    /// Spans received: (name, attributes as key=value).
+    pub type Spans = Arc<Mutex<Vec<(String, Vec<(String, String)>)>>>;
+
+    #[derive(Clone, Default)]
+    pub struct Collector(pub Spans);
+
+    #[tonic::async_trait]
+    impl TraceService for Collector {
+        async fn export(
+            &self,
+            request: tonic::Request<ExportTraceServiceRequest>,
+        ) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
+            let mut spans = self.0.lock().unwrap();
+            for rs in request.into_inner().resource_spans {
+                for ss in rs.scope_spans {
+                    for span in ss.spans {
+                        let attributes = span
+                            .attributes
+                            .iter()
+                            .map(|kv| {
+                                let v = match kv.value.as_ref().and_then(|v| v.value.clone()) {
+                                    Some(Value::StringValue(s)) => s,
+                                    other => format!("{other:?}"),
+                                };
+                                (kv.key.clone(), v)
+                            })
+                            .collect();
+                        spans.push((span.name, attributes));
+                    }
+                }
+            }
+            Ok(tonic::Response::new(ExportTraceServiceResponse {
+                partial_success: None,
+            }))
+        }
+    }
+
+    /// Serves a collector on 127.0.0.1:0; its address and what it received.
+    pub async fn start() -> (std::net::SocketAddr, Spans) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let collector = Collector::default();
+        let spans = collector.0.clone();
+        tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(TraceServiceServer::new(collector))
+                .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+        );
+        (addr, spans)
+    }
+}
+
+#[tokio::test]
+async fn spans_for_subscriptions_and_watches_reach_an_otlp_collector_configured_by_otel_env() {
+    let (fake, _dir, kubeconfig) = fake_with_kubeconfig().await;
+    fake.apply(flag("demo", "on")).unwrap();
+    let (collector, spans) = collector::start().await;
+    let endpoint = format!("http://{collector}");
+    let env = [
+        ("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint.as_str()),
+        ("OTEL_BSP_SCHEDULE_DELAY", "100"),
+        ("OTEL_SERVICE_NAME", "crd-broker-test"),
+    ];
+    let broker = spawn(&kubeconfig, &["--linger", "0s"], &env).await;
+    let mut client = connect(broker.grpc).await;
+    let mut s = subscribe(&mut client, &[&demo("demo")]).await;
+    next(&mut s).await;
+    drop(s);
+    assert!(fake.wait_for(WAIT, |f| f.open_watches() == 0).await);
+    broker.signal("TERM");
+    let mut child = broker.child;
+    child.wait().await.unwrap();
+    let spans = spans.lock().unwrap().clone();
+    let selector = "featureflags.v1beta1.core.openfeature.dev/default/demo";
+    let with_selector = |name: &str| {
+        spans.iter().any(|(n, attrs)| {
+            n == name && attrs.iter().any(|(k, v)| k == "selector" && v == selector)
+        })
+    };
+    assert!(
+        with_selector("subscription"),
+        "a span per subscription, with the CR: {spans:?}"
+    );
+    assert!(
+        with_selector("watch"),
+        "a span per watch, with the CR: {spans:?}"
+    );
+
+    // Without the OTEL_* variables nothing is exported.
+    let (quiet_collector, quiet) = collector::start().await;
+    let broker = spawn(&kubeconfig, &["--linger", "0s"], &[]).await;
+    let mut client = connect(broker.grpc).await;
+    let mut s = subscribe(&mut client, &[&demo("demo")]).await;
+    next(&mut s).await;
+    drop(s);
+    broker.signal("TERM");
+    let mut child = broker.child;
+    child.wait().await.unwrap();
+    assert!(
+        quiet.lock().unwrap().is_empty(),
+        "nothing reached {quiet_collector}"
+    );
+}
+
+/// A subscriber that spreads over replicas: each (re)subscription goes to the next address.
+async fn roaming_subscriber(
+    addresses: Arc<Mutex<Vec<SocketAddr>>>,
+    start: usize,
+    latest: Arc<Mutex<Vec<String>>>,
+    slot: usize,
+) {
+    let mut turn = start;
+    loop {
+        let addr = {
+            let a = addresses.lock().await;
+            a[turn % a.len()]
+        };
+        turn += 1;
+        let Ok(channel) = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+            .unwrap()
+            .connect()
+            .await
+        else {
+            continue;
+        };
+        let mut client = crd_broker::pb::broker_client::BrokerClient::new(channel);
+        let Ok(response) = client.subscribe(request(&[&demo("demo")])).await else {
+            continue;
+        };
+        let mut s = response.into_inner();
+        while let Ok(Some(r)) = s.message().await {
+            if r.event() == Event::Snapshot || r.event() == Event::Updated {
+                latest.lock().await[slot] = format!("{addr} {}", variant(&r));
+            }
+        }
+    }
+}
+
+async fn subscribers_on(admin: SocketAddr) -> u64 {
+    let (_, body) = http_get(admin, "/debug/watches").await;
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
+    v["watches"]
+        .as_array()
+        .map(|w| w.iter().filter_map(|x| x["subscribers"].as_u64()).sum())
+        .unwrap_or(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_share_subscribers_fail_over_and_a_new_one_takes_its_share() {
+    let (fake, _dir, kubeconfig) = fake_with_kubeconfig().await;
+    fake.apply(flag("demo", "v0")).unwrap();
+    let args = [
+        "--max-connection-age",
+        "2s",
+        "--max-connection-age-grace",
+        "1s",
+        "--linger",
+        "0s",
+    ];
+    let mut replicas = Vec::new();
+    for _ in 0..3 {
+        replicas.push(spawn(&kubeconfig, &args, &[]).await);
+    }
+    let addresses = Arc::new(Mutex::new(
+        replicas.iter().map(|r| r.grpc).collect::<Vec<_>>(),
+    ));
+    const CLIENTS: usize = 30;
+    let latest = Arc::new(Mutex::new(vec![String::new(); CLIENTS]));
+    let clients: Vec<_> = (0..CLIENTS)
+        .map(|i| tokio::spawn(roaming_subscriber(addresses.clone(), i, latest.clone(), i)))
+        .collect();
+    let all_on = |want: &'static str| {
+        let latest = latest.clone();
+        async move {
+            tokio::time::timeout(Duration::from_secs(15), async {
+                loop {
+                    if latest
+                        .lock()
+                        .await
+                        .iter()
+                        .all(|l| l.ends_with(&format!(" {want}")))
+                    {
+                        return;
+                    }
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            })
+            .await
+            .is_ok()
+        }
+    };
+    assert!(all_on("v0").await, "every subscriber has the state");
+    assert_eq!(fake.open_watches(), 3, "one watch per replica");
+
+    // Kill one replica: its subscribers reconnect to the others and end on the latest state.
+    let killed = replicas.remove(0);
+    killed.signal("KILL");
+    fake.merge_patch(GV, "featureflags", "default", "demo", variant_patch("v1"))
+        .unwrap();
+    assert!(
+        all_on("v1").await,
+        "every subscriber ends on the latest state: {:?}",
+        latest.lock().await
+    );
+    addresses.lock().await.retain(|a| *a != killed.grpc);
+
+    // A fourth replica: with a 2 s maximum connection age it takes subscribers within about one age.
+    let fourth = spawn(&kubeconfig, &args, &[]).await;
+    addresses.lock().await.push(fourth.grpc);
+    let started = tokio::time::Instant::now();
+    let took = tokio::time::timeout(Duration::from_secs(10), async {
+        while subscribers_on(fourth.admin).await == 0 {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        started.elapsed()
+    })
+    .await
+    .expect("the new replica takes subscribers");
+    assert!(
+        took < Duration::from_secs(4),
+        "took {took:?} with a 2 s age"
+    );
+    fake.merge_patch(GV, "featureflags", "default", "demo", variant_patch("v2"))
+        .unwrap();
+    assert!(all_on("v2").await);
+    for c in clients {
+        c.abort();
+    }
+}
