@@ -1,0 +1,438 @@
+//! The Helm chart, checked as well as this machine allows (no helm binary can be installed):
+//! rendered by Go's own text/template (`tests/helm/render.go`, with the Sprig/Helm functions the
+//! chart uses and missing values as errors) under several value sets; every rendered object
+//! round-trips through the Kubernetes API types (so no field is unknown or misplaced); every flag
+//! the chart passes is one the binary accepts; every value the templates reference exists and
+//! every value is documented; the YAML lints clean (yamllint); and the deployment properties an
+//! SRE relies on hold. Also the Dockerfile: multi-stage, non-root, and everything it copies exists.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use clap::Parser;
+use serde_json::{Value, json};
+
+const ROOT: &str = env!("CARGO_MANIFEST_DIR");
+
+fn chart() -> PathBuf {
+    Path::new(ROOT).join("helm/crd-broker")
+}
+
+fn yaml_file(path: &Path) -> Value {
+    serde_yaml::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
+fn merge(base: &mut Value, over: &Value) {
+    match (base, over) {
+        (Value::Object(b), Value::Object(o)) => {
+            for (k, v) in o {
+                merge(b.entry(k.clone()).or_insert(Value::Null), v);
+            }
+        }
+        (b, o) => *b = o.clone(),
+    }
+}
+
+/// Renders the chart with values.yaml overlaid by `overrides`; the manifests, or the error.
+fn render(overrides: Value) -> Result<Vec<Value>, String> {
+    let go = std::env::var("GO").unwrap_or_else(|_| "go".into());
+    let found = Command::new(&go)
+        .arg("version")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    assert!(
+        found,
+        "Go is needed to render the chart with text/template: run the README's test command (scripts/test), which installs it, or set GO"
+    );
+    let mut values = yaml_file(&chart().join("values.yaml"));
+    merge(&mut values, &overrides);
+    let meta = yaml_file(&chart().join("Chart.yaml"));
+    let context = json!({
+        "Values": values,
+        "Release": { "Name": "flags", "Namespace": "openfeature", "Service": "Helm" },
+        "Chart": { "Name": meta["name"], "Version": meta["version"], "AppVersion": meta["appVersion"] },
+    });
+    let dir = tempfile::tempdir().unwrap();
+    let ctx = dir.path().join("context.json");
+    std::fs::write(&ctx, context.to_string()).unwrap();
+    let cache = Path::new(ROOT).join("target/go-cache");
+    let out = Command::new(&go)
+        .args(["run", "render.go"])
+        .arg(chart())
+        .arg(&ctx)
+        .current_dir(Path::new(ROOT).join("tests/helm"))
+        .env("GOCACHE", &cache)
+        .env("GOPATH", cache.join("gopath"))
+        .env("GO111MODULE", "off")
+        .output()
+        .expect("go runs");
+    if !out.status.success() {
+        return Err(String::from_utf8_lossy(&out.stderr).into_owned());
+    }
+    let text = String::from_utf8(out.stdout).unwrap();
+    std::fs::write(dir.path().join("rendered.yaml"), &text).unwrap();
+    lint(&[&dir.path().join("rendered.yaml")]);
+    let docs = serde_yaml::Deserializer::from_str(&text)
+        .map(|d| <Value as serde::Deserialize>::deserialize(d).expect("rendered YAML parses"))
+        .filter(|d| !d.is_null())
+        .collect();
+    Ok(docs)
+}
+
+/// yamllint: the default rules, with line length relaxed for long descriptions and sequences
+/// allowed at their key's indentation (as helm's own toYaml writes them).
+fn lint(files: &[&Path]) {
+    let python = std::env::var_os("CRD_BROKER_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(ROOT).join(".venv/bin/python"));
+    let config = "{extends: default, rules: {line-length: {max: 120}, document-start: disable, comments: {min-spaces-from-content: 1}, indentation: {spaces: consistent, indent-sequences: whatever}}}";
+    let out = Command::new(&python)
+        .args(["-m", "yamllint", "-f", "parsable", "-d", config])
+        .args(files)
+        .output()
+        .expect("python runs");
+    assert!(
+        out.status.success(),
+        "yamllint ({}) finds problems (run scripts/test to install it):\n{}{}",
+        python.display(),
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+fn kind<'a>(docs: &'a [Value], kind: &str) -> Vec<&'a Value> {
+    docs.iter().filter(|d| d["kind"] == kind).collect()
+}
+
+/// Drops nulls and empty maps, which typed serialization leaves out or adds.
+fn normalize(v: &Value) -> Value {
+    match v {
+        Value::Object(m) => Value::Object(
+            m.iter()
+                .filter(|(_, v)| !v.is_null())
+                .map(|(k, v)| (k.clone(), normalize(v)))
+                .collect(),
+        ),
+        Value::Array(a) => Value::Array(a.iter().map(normalize).collect()),
+        other => other.clone(),
+    }
+}
+
+/// The object survives a round trip through its Kubernetes API type unchanged: every field is
+/// one the API knows, in the right place, of the right type.
+fn round_trips<T: serde::de::DeserializeOwned + serde::Serialize>(doc: &Value) {
+    let typed: T = serde_json::from_value(doc.clone()).unwrap_or_else(|e| {
+        panic!(
+            "{} {} does not match the API: {e}",
+            doc["kind"], doc["metadata"]["name"]
+        )
+    });
+    let back = serde_json::to_value(&typed).unwrap();
+    assert_eq!(
+        normalize(&back),
+        normalize(doc),
+        "{} has fields the API does not know",
+        doc["kind"]
+    );
+}
+
+fn check_types(docs: &[Value]) {
+    use k8s_openapi::api::apps::v1::Deployment;
+    use k8s_openapi::api::core::v1::{Service, ServiceAccount};
+    use k8s_openapi::api::policy::v1::PodDisruptionBudget;
+    use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};
+    for doc in docs {
+        match doc["kind"].as_str().unwrap() {
+            "Deployment" => round_trips::<Deployment>(doc),
+            "Service" => round_trips::<Service>(doc),
+            "ServiceAccount" => round_trips::<ServiceAccount>(doc),
+            "ClusterRole" => round_trips::<ClusterRole>(doc),
+            "ClusterRoleBinding" => round_trips::<ClusterRoleBinding>(doc),
+            "PodDisruptionBudget" => round_trips::<PodDisruptionBudget>(doc),
+            "ServiceMonitor" => {
+                assert_eq!(doc["apiVersion"], "monitoring.coreos.com/v1");
+                assert_eq!(doc["spec"]["endpoints"][0]["port"], "admin");
+                assert_eq!(doc["spec"]["endpoints"][0]["path"], "/metrics");
+            }
+            other => panic!("unexpected kind {other}"),
+        }
+    }
+}
+
+fn container(docs: &[Value]) -> Value {
+    kind(docs, "Deployment")[0]["spec"]["template"]["spec"]["containers"][0].clone()
+}
+
+/// The container's arguments parse as the binary's command line.
+fn args_parse(docs: &[Value]) -> crd_broker::config::Serve {
+    let args: Vec<String> = container(docs)["args"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a.as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(args[0], "serve");
+    let cli = crd_broker::config::Cli::try_parse_from(
+        std::iter::once("crd-broker".to_string()).chain(args.clone()),
+    )
+    .unwrap_or_else(|e| panic!("the chart passes flags the binary refuses: {e}\n{args:?}"));
+    match cli.command {
+        crd_broker::config::Command::Serve(serve) => *serve,
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn the_default_chart_renders_a_hardened_highly_available_deployment() {
+    let docs = render(json!({})).expect("renders");
+    check_types(&docs);
+    let serve = args_parse(&docs);
+    let deployment = kind(&docs, "Deployment")[0];
+    let pod = &deployment["spec"]["template"]["spec"];
+    assert!(deployment["spec"]["replicas"].as_u64().unwrap() >= 2);
+    assert_eq!(
+        pod["topologySpreadConstraints"][0]["topologyKey"],
+        "kubernetes.io/hostname"
+    );
+    let grace = pod["terminationGracePeriodSeconds"].as_u64().unwrap();
+    assert!(
+        grace > serve.shutdown_grace.as_secs(),
+        "terminationGracePeriodSeconds {grace} above --shutdown-grace {:?}",
+        serve.shutdown_grace
+    );
+    assert_eq!(serve.resources.len(), 1);
+    assert_eq!(
+        serve.resources[0].to_string(),
+        "featureflags.core.openfeature.dev"
+    );
+    let c = container(&docs);
+    let meta = yaml_file(&chart().join("Chart.yaml"));
+    assert!(
+        c["image"]
+            .as_str()
+            .unwrap()
+            .ends_with(&format!(":{}", meta["appVersion"].as_str().unwrap()))
+    );
+    assert_eq!(c["livenessProbe"]["httpGet"]["path"], "/livez");
+    assert_eq!(c["readinessProbe"]["httpGet"]["path"], "/readyz");
+    assert_eq!(c["readinessProbe"]["httpGet"]["port"], "admin");
+    let sc = &c["securityContext"];
+    assert_eq!(sc["runAsNonRoot"], true);
+    assert_eq!(sc["readOnlyRootFilesystem"], true);
+    assert_eq!(sc["allowPrivilegeEscalation"], false);
+    assert_eq!(sc["capabilities"]["drop"], json!(["ALL"]));
+    assert_eq!(pod["securityContext"]["runAsNonRoot"], true);
+
+    let services = kind(&docs, "Service");
+    let headless = services
+        .iter()
+        .find(|s| s["spec"]["clusterIP"] == "None")
+        .expect("a headless Service");
+    assert_eq!(headless["metadata"]["name"], "flags-crd-broker-headless");
+    let cluster_ip = services
+        .iter()
+        .find(|s| s["spec"]["type"] == "ClusterIP")
+        .expect("a ClusterIP Service");
+    assert_eq!(cluster_ip["metadata"]["name"], "flags-crd-broker");
+
+    let role = kind(&docs, "ClusterRole")[0];
+    assert_eq!(
+        role["rules"],
+        json!([{ "apiGroups": ["core.openfeature.dev"], "resources": ["featureflags"], "verbs": ["get", "list", "watch"] }]),
+        "least privilege"
+    );
+    let binding = kind(&docs, "ClusterRoleBinding")[0];
+    assert_eq!(
+        binding["subjects"][0]["name"],
+        kind(&docs, "ServiceAccount")[0]["metadata"]["name"]
+    );
+    assert_eq!(binding["subjects"][0]["namespace"], "openfeature");
+    assert_eq!(kind(&docs, "PodDisruptionBudget").len(), 1);
+    assert!(kind(&docs, "ServiceMonitor").is_empty(), "off by default");
+}
+
+#[test]
+fn every_option_renders_and_stands_in_for_flagd_proxy() {
+    let docs = render(json!({
+        "replicaCount": 3,
+        "kinds": [
+            { "group": "core.openfeature.dev", "plural": "featureflags", "version": "v1beta1" },
+            { "group": "example.com", "plural": "widgets", "version": "" },
+        ],
+        "tls": { "enabled": true, "secretName": "broker-tls", "clientAuth": true },
+        "service": { "name": "flagd-proxy-svc", "portName": "flagd-proxy", "annotations": { "a": "b" } },
+        "serviceMonitor": { "enabled": true, "labels": { "release": "prometheus" } },
+        "extraArgs": ["--readiness-interval=5s"],
+        "extraEnv": [{ "name": "OTEL_EXPORTER_OTLP_ENDPOINT", "value": "http://collector:4317" }],
+        "podAnnotations": { "x": "y" },
+        "podLabels": { "team": "flags" },
+        "nodeSelector": { "kubernetes.io/os": "linux" },
+        "tolerations": [{ "key": "k", "operator": "Exists" }],
+        "imagePullSecrets": [{ "name": "registry" }],
+        "serviceAccount": { "annotations": { "eks.amazonaws.com/role-arn": "arn" } },
+    }))
+    .expect("renders");
+    check_types(&docs);
+    let serve = args_parse(&docs);
+    assert_eq!(
+        serve.tls_cert.as_deref(),
+        Some(Path::new("/etc/crd-broker/tls/tls.crt"))
+    );
+    assert_eq!(
+        serve.tls_client_ca.as_deref(),
+        Some(Path::new("/etc/crd-broker/tls/ca.crt"))
+    );
+    assert_eq!(
+        serve
+            .resources
+            .iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>(),
+        [
+            "featureflags.v1beta1.core.openfeature.dev",
+            "widgets.example.com"
+        ]
+    );
+    let services = kind(&docs, "Service");
+    let stand_in = services
+        .iter()
+        .find(|s| s["metadata"]["name"] == "flagd-proxy-svc")
+        .expect("named as flagd-proxy's");
+    assert_eq!(stand_in["spec"]["ports"][0]["name"], "flagd-proxy");
+    assert_eq!(stand_in["spec"]["ports"][0]["port"], 8015);
+    let role = kind(&docs, "ClusterRole")[0];
+    assert_eq!(role["rules"].as_array().unwrap().len(), 2);
+    assert_eq!(
+        kind(&docs, "ServiceMonitor")[0]["metadata"]["labels"]["release"],
+        "prometheus"
+    );
+    let pod = &kind(&docs, "Deployment")[0]["spec"]["template"]["spec"];
+    assert_eq!(pod["volumes"][0]["secret"]["secretName"], "broker-tls");
+}
+
+#[test]
+fn wrong_values_are_refused_with_a_reason() {
+    let err = render(json!({ "terminationGracePeriodSeconds": 10 })).unwrap_err();
+    assert!(
+        err.contains("terminationGracePeriodSeconds must be above shutdownGraceSeconds"),
+        "{err}"
+    );
+    let err = render(json!({ "tls": { "enabled": true } })).unwrap_err();
+    assert!(err.contains("tls.secretName is required"), "{err}");
+}
+
+/// Every `.Values.x.y` in the templates exists in values.yaml.
+#[test]
+fn every_referenced_value_exists_and_every_value_is_documented() {
+    let values = yaml_file(&chart().join("values.yaml"));
+    for entry in std::fs::read_dir(chart().join("templates")).unwrap() {
+        let path = entry.unwrap().path();
+        let text = std::fs::read_to_string(&path).unwrap();
+        for (i, _) in text.match_indices(".Values.") {
+            let rest = &text[i + ".Values.".len()..];
+            let reference: String = rest
+                .chars()
+                .take_while(|c| c.is_alphanumeric() || *c == '.' || *c == '_')
+                .collect();
+            let mut node = &values;
+            for part in reference.trim_end_matches('.').split('.') {
+                node = node.get(part).unwrap_or_else(|| {
+                    panic!(
+                        "{} references .Values.{reference}, which values.yaml does not have",
+                        path.display()
+                    )
+                });
+            }
+        }
+    }
+    // A key is documented by a comment block starting `# --` right above it, or by its parent's.
+    let text = std::fs::read_to_string(chart().join("values.yaml")).unwrap();
+    let mut documented_indents: Vec<usize> = Vec::new();
+    let mut comment = false;
+    for line in text.lines() {
+        let trimmed = line.trim_start();
+        let indent = line.len() - trimmed.len();
+        if trimmed.starts_with("# --") {
+            comment = true;
+            continue;
+        }
+        if trimmed.starts_with('#') || trimmed.is_empty() {
+            continue;
+        }
+        documented_indents.retain(|d| *d < indent);
+        let is_key = !trimmed.starts_with('-') && trimmed.contains(':');
+        if is_key && documented_indents.is_empty() {
+            let has_children = trimmed.ends_with(':');
+            assert!(
+                comment || has_children,
+                "values.yaml: {trimmed:?} has no `# --` description"
+            );
+        }
+        if is_key && comment {
+            documented_indents.push(indent);
+        }
+        comment = false;
+    }
+    lint(&[&chart().join("values.yaml"), &chart().join("Chart.yaml")]);
+}
+
+#[test]
+fn the_dockerfile_is_multi_stage_non_root_and_copies_what_exists() {
+    let text = std::fs::read_to_string(Path::new(ROOT).join("Dockerfile")).unwrap();
+    let froms: Vec<&str> = text.lines().filter(|l| l.starts_with("FROM ")).collect();
+    assert!(froms.len() >= 2, "multi-stage: {froms:?}");
+    assert!(
+        froms.last().unwrap().contains("distroless") && froms.last().unwrap().contains("nonroot"),
+        "a small non-root runtime image"
+    );
+    let user = text
+        .lines()
+        .rfind(|l| l.starts_with("USER "))
+        .expect("a USER");
+    assert!(!user.contains("root") || user.contains("nonroot"));
+    assert!(user.contains("65532"), "{user}");
+    for line in text
+        .lines()
+        .filter(|l| l.starts_with("COPY ") && !l.contains("--from="))
+    {
+        let parts: Vec<&str> = line.split_whitespace().skip(1).collect();
+        for source in &parts[..parts.len() - 1] {
+            assert!(
+                Path::new(ROOT).join(source).exists(),
+                "the Dockerfile copies {source}, which does not exist"
+            );
+        }
+    }
+    // The members of the workspace must all be in the build context.
+    let manifest: toml_value::Manifest = toml_value::read(&Path::new(ROOT).join("Cargo.toml"));
+    for member in manifest.members.iter().filter(|m| *m != ".") {
+        assert!(
+            text.contains(&format!("COPY {member} {member}")),
+            "the Dockerfile does not copy the workspace member {member}"
+        );
+    }
+    assert!(text.contains("ENTRYPOINT [\"/usr/local/bin/crd-broker\"]"));
+}
+
+/// Just enough TOML reading for the workspace's member list.
+mod toml_value {
+    pub struct Manifest {
+        pub members: Vec<String>,
+    }
+
+    pub fn read(path: &std::path::Path) -> Manifest {
+        let text = std::fs::read_to_string(path).unwrap();
+        let line = text
+            .lines()
+            .find(|l| l.trim_start().starts_with("members"))
+            .expect("a members line");
+        let list = line.split_once('[').unwrap().1.split_once(']').unwrap().0;
+        Manifest {
+            members: list
+                .split(',')
+                .map(|m| m.trim().trim_matches('"').to_string())
+                .filter(|m| !m.is_empty())
+                .collect(),
+        }
+    }
+}
