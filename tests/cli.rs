@@ -185,3 +185,41 @@ async fn serve_fails_clearly_on_a_missing_directory() {
         "{err}"
     );
 }
+
+#[tokio::test]
+async fn json_logs_are_one_object_per_line() {
+    let dir = tempfile::tempdir().unwrap();
+    copy_examples(dir.path());
+    let mut child = Command::new(BIN)
+        .args(["--log-format", "json", "serve", "--manifests"])
+        .arg(dir.path())
+        .args(["--grpc-addr", "127.0.0.1:0", "--admin-addr", "none"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+    let mut seen = Vec::new();
+    while seen.len() < 2 {
+        let line = tokio::time::timeout(Duration::from_secs(10), lines.next_line())
+            .await
+            .unwrap()
+            .unwrap()
+            .expect("a log line");
+        let entry: Value =
+            serde_json::from_str(&line).unwrap_or_else(|e| panic!("not JSON ({e}): {line}"));
+        assert!(
+            entry["level"].is_string() && entry["timestamp"].is_string(),
+            "{entry}"
+        );
+        seen.push(
+            entry["fields"]["message"]
+                .as_str()
+                .unwrap_or_default()
+                .to_string(),
+        );
+    }
+    assert!(seen.iter().any(|m| m == "crd-broker serving"), "{seen:?}");
+    child.kill().await.unwrap();
+}
