@@ -9,6 +9,7 @@ COPY proto proto
 COPY src src
 COPY examples examples
 COPY tests/fake-apiserver tests/fake-apiserver
+COPY loadtest loadtest
 RUN cargo build --release --locked -p crd-broker \
     && strip target/release/crd-broker
 

@@ -1,0 +1,124 @@
+//! `crd-broker-loadtest`: drives a release-built crd-broker on the fake API server with many
+//! subscribers, side by side with a bare tonic server broadcasting the same payloads, and reports
+//! fan-out latency, first-message latency, memory, CPU, API-server load and lost updates.
+//! Everything runs on loopback and every scenario is bounded in time.
+
+mod bare;
+mod clients;
+mod report;
+mod scenarios;
+mod stats;
+mod target;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Parser, Subcommand};
+
+/// Load harness for crd-broker.
+#[derive(Debug, Parser)]
+#[command(name = "crd-broker-loadtest", version)]
+struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+    #[command(flatten)]
+    run: Run,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// The bare tonic server (started by the harness itself).
+    Bare {
+        /// Where to listen.
+        #[arg(long)]
+        addr: SocketAddr,
+    },
+}
+
+/// What to run.
+#[derive(Debug, Clone, clap::Args)]
+pub struct Run {
+    /// Scenarios: `fanout` (a: many subscribers on many CRs), `hot` (b: one hot CR), `storm`
+    /// (c: a reconnect storm on a cold broker), `churn` (d: subscribers come and go), `idle`
+    /// (memory of idle one-stream sidecars), or `all`.
+    #[arg(long, value_delimiter = ',', default_value = "all")]
+    pub scenario: Vec<String>,
+    /// A tiny configuration of every scenario (a few seconds), for CI.
+    #[arg(long)]
+    pub smoke: bool,
+    /// Subscribers in the fan-out, hot and storm scenarios.
+    #[arg(long, default_value_t = 10_000)]
+    pub subscribers: usize,
+    /// Connections they share.
+    #[arg(long, default_value_t = 1_000)]
+    pub connections: usize,
+    /// Custom resources (FeatureFlags) in the fan-out and storm scenarios.
+    #[arg(long, default_value_t = 100)]
+    pub crs: usize,
+    /// Updates per second, over all CRs.
+    #[arg(long, default_value_t = 10.0)]
+    pub rate: f64,
+    /// How long updates are written in the fan-out and hot scenarios.
+    #[arg(long, default_value = "20s", value_parser = humantime::parse_duration)]
+    pub duration: Duration,
+    /// How long the churn scenario runs.
+    #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
+    pub churn_duration: Duration,
+    /// Subscribers alive at once in the churn scenario.
+    #[arg(long, default_value_t = 1_000)]
+    pub churn_subscribers: usize,
+    /// Idle sidecars (one connection, one stream each) in the memory scenario.
+    #[arg(long, default_value_t = 10_000)]
+    pub sidecars: usize,
+    /// Loopback source addresses to spread connections over (127.0.0.1 ..= 127.0.0.N).
+    #[arg(long, default_value_t = 8)]
+    pub sources: u8,
+    /// Size of each FeatureFlag's JSON, in bytes (padded).
+    #[arg(long, default_value_t = 1024)]
+    pub payload_bytes: usize,
+    /// The broker binary (default: `crd-broker` next to this binary).
+    #[arg(long)]
+    pub broker_bin: Option<PathBuf>,
+    /// Where to write `results.json`, `summary.md` and `latency.png`.
+    #[arg(long, default_value = "target/loadtest")]
+    pub out: PathBuf,
+}
+
+impl Run {
+    /// The tiny configuration CI runs.
+    fn smoke(mut self) -> Self {
+        self.subscribers = 60;
+        self.connections = 6;
+        self.crs = 3;
+        self.rate = 20.0;
+        self.duration = Duration::from_secs(2);
+        self.churn_duration = Duration::from_secs(2);
+        self.churn_subscribers = 30;
+        self.sidecars = 50;
+        self.sources = 2;
+        self
+    }
+
+    fn wants(&self, scenario: &str) -> bool {
+        self.scenario.iter().any(|s| s == scenario || s == "all")
+    }
+}
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    match cli.command {
+        Some(Command::Bare { addr }) => runtime.block_on(bare::run(addr)),
+        None => {
+            let run = if cli.run.smoke {
+                cli.run.smoke()
+            } else {
+                cli.run
+            };
+            runtime.block_on(scenarios::run_all(run))
+        }
+    }
+}

@@ -1,0 +1,444 @@
+//! The results: a JSON file, a markdown summary and a PNG of the delivery-latency distributions.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::Path;
+
+use anyhow::Context;
+use serde::Serialize;
+
+use crate::Run;
+use crate::scenarios::{Churn, Fanout, Idle, Storm};
+
+/// The machine the run was on.
+#[derive(Debug, Clone, Serialize)]
+pub struct Machine {
+    /// CPU model.
+    pub cpu: String,
+    /// Cores available.
+    pub cores: usize,
+    /// Total memory in bytes.
+    pub memory_bytes: u64,
+    /// Kernel release.
+    pub kernel: String,
+    /// The open-file limit the run had.
+    pub fd_limit: u64,
+}
+
+impl Machine {
+    fn read(fd_limit: u64) -> Self {
+        let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+        let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+        Machine {
+            cpu: cpuinfo
+                .lines()
+                .find_map(|l| l.strip_prefix("model name"))
+                .map(|l| l.trim_start_matches([' ', '\t', ':']).to_string())
+                .unwrap_or_default(),
+            cores: std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(1),
+            memory_bytes: meminfo
+                .lines()
+                .find_map(|l| l.strip_prefix("MemTotal:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+                .unwrap_or(0)
+                * 1024,
+            kernel: std::fs::read_to_string("/proc/sys/kernel/osrelease")
+                .unwrap_or_default()
+                .trim()
+                .to_string(),
+            fd_limit,
+        }
+    }
+}
+
+/// Broker ÷ bare, side by side in the same run.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Ratios {
+    /// Median fan-out time, many CRs (a).
+    pub fanout_p50: Option<f64>,
+    /// 99th-percentile fan-out time, many CRs (a).
+    pub fanout_p99: Option<f64>,
+    /// Median fan-out time, one hot CR (b).
+    pub hot_fanout_p50: Option<f64>,
+    /// Warm first message (broker) ÷ a unary round trip (bare), medians.
+    pub warm_first_message_vs_unary: Option<f64>,
+    /// Memory per idle one-stream sidecar.
+    pub idle_memory: Option<f64>,
+}
+
+/// Everything a run measured.
+#[derive(Debug, Clone, Serialize)]
+pub struct Results {
+    /// The machine.
+    pub machine: Machine,
+    /// The command line's settings.
+    pub settings: BTreeMap<String, String>,
+    /// (a) many subscribers on many CRs.
+    pub fanout: Option<Fanout>,
+    /// (b) one hot CR.
+    pub hot: Option<Fanout>,
+    /// (c) reconnect storm.
+    pub storm: Option<Storm>,
+    /// (d) churn.
+    pub churn: Option<Churn>,
+    /// Idle sidecars' memory.
+    pub idle: Option<Idle>,
+    /// Broker ÷ bare.
+    pub ratios: Ratios,
+}
+
+impl Results {
+    /// An empty result set for this run.
+    pub fn new(run: &Run, fd_limit: u64) -> Self {
+        let settings = [
+            ("subscribers", run.subscribers.to_string()),
+            ("connections", run.connections.to_string()),
+            ("crs", run.crs.to_string()),
+            ("rate", run.rate.to_string()),
+            (
+                "duration",
+                humantime::format_duration(run.duration).to_string(),
+            ),
+            (
+                "churn_duration",
+                humantime::format_duration(run.churn_duration).to_string(),
+            ),
+            ("churn_subscribers", run.churn_subscribers.to_string()),
+            ("sidecars", run.sidecars.to_string()),
+            ("payload_bytes", run.payload_bytes.to_string()),
+            ("smoke", run.smoke.to_string()),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect();
+        Results {
+            machine: Machine::read(fd_limit),
+            settings,
+            fanout: None,
+            hot: None,
+            storm: None,
+            churn: None,
+            idle: None,
+            ratios: Ratios::default(),
+        }
+    }
+
+    /// Fills in the ratios from what ran.
+    pub fn compute_ratios(&mut self) {
+        let ratio = |a: f64, b: f64| (b > 0.0).then(|| (a / b * 1000.0).round() / 1000.0);
+        if let Some(f) = &self.fanout {
+            self.ratios.fanout_p50 = ratio(f.broker.fanout.p50_ms, f.bare.fanout.p50_ms);
+            self.ratios.fanout_p99 = ratio(f.broker.fanout.p99_ms, f.bare.fanout.p99_ms);
+            if let Some(unary) = &f.bare.unary {
+                self.ratios.warm_first_message_vs_unary =
+                    ratio(f.broker.first_warm.p50_ms, unary.p50_ms);
+            }
+        }
+        if let Some(h) = &self.hot {
+            self.ratios.hot_fanout_p50 = ratio(h.broker.fanout.p50_ms, h.bare.fanout.p50_ms);
+        }
+        if let Some(i) = &self.idle {
+            self.ratios.idle_memory = ratio(i.broker.bytes_per_sidecar, i.bare.bytes_per_sidecar);
+        }
+    }
+}
+
+fn kib(bytes: f64) -> String {
+    format!("{:.1} KiB", bytes / 1024.0)
+}
+
+fn mib(bytes: u64) -> String {
+    format!("{:.1} MiB", bytes as f64 / 1048576.0)
+}
+
+fn fanout_table(title: &str, f: &Fanout) -> String {
+    let mut s = format!(
+        "### {title}\n\n{} subscribers over {} connections on {} CR(s), {} updates/s for {} s.\n\n| | broker | bare tonic |\n|---|---|---|\n",
+        f.subscribers, f.connections, f.crs, f.rate, f.seconds
+    );
+    let row = |name: &str, b: String, t: String| format!("| {name} | {b} | {t} |\n");
+    let lat = |x: &crate::stats::Summary| format!("{} / {} / {} ms", x.p50_ms, x.p99_ms, x.max_ms);
+    s += &row(
+        "fan-out time (write → last subscriber) p50 / p99 / max",
+        lat(&f.broker.fanout),
+        lat(&f.bare.fanout),
+    );
+    s += &row(
+        "delivery latency (write → each subscriber) p50 / p99 / max",
+        lat(&f.broker.deliveries),
+        lat(&f.bare.deliveries),
+    );
+    s += &row(
+        "first message, cold p50 / p99 / max",
+        lat(&f.broker.first_cold),
+        lat(&f.bare.first_cold),
+    );
+    s += &row(
+        "first message, warm p50 / p99 / max",
+        lat(&f.broker.first_warm),
+        lat(&f.bare.first_warm),
+    );
+    s += &row(
+        "unary round trip p50",
+        "—".into(),
+        f.bare
+            .unary
+            .map(|u| format!("{} ms", u.p50_ms))
+            .unwrap_or_default(),
+    );
+    s += &row(
+        "memory before → loaded",
+        format!(
+            "{} → {}",
+            mib(f.broker.rss_before_bytes),
+            mib(f.broker.rss_loaded_bytes)
+        ),
+        format!(
+            "{} → {}",
+            mib(f.bare.rss_before_bytes),
+            mib(f.bare.rss_loaded_bytes)
+        ),
+    );
+    s += &row(
+        "memory per subscriber stream",
+        kib(f.broker.bytes_per_stream),
+        kib(f.bare.bytes_per_stream),
+    );
+    s += &row(
+        "CPU during updates",
+        format!("{:.2} s", f.broker.cpu_seconds),
+        format!("{:.2} s", f.bare.cpu_seconds),
+    );
+    s += &row(
+        "updates / lost / stream errors",
+        format!(
+            "{} / {} / {}",
+            f.broker.updates, f.broker.lost, f.broker.errors
+        ),
+        format!("{} / {} / {}", f.bare.updates, f.bare.lost, f.bare.errors),
+    );
+    s += &row(
+        "API server: open watches / LISTs / WATCHes",
+        format!(
+            "{} / {} / {}",
+            f.broker.open_watches.unwrap_or(0),
+            f.broker.lists.unwrap_or(0),
+            f.broker.watches.unwrap_or(0)
+        ),
+        "—".into(),
+    );
+    s + "\n"
+}
+
+/// The markdown summary.
+pub fn markdown(r: &Results) -> String {
+    let m = &r.machine;
+    let mut s = format!(
+        "## crd-broker load test\n\nMachine: {} ({} cores), {} memory, Linux {}, open-file limit {}.\n\n",
+        m.cpu,
+        m.cores,
+        mib(m.memory_bytes),
+        m.kernel,
+        m.fd_limit
+    );
+    let x = |v: Option<f64>| v.map(|v| format!("{v:.2}×")).unwrap_or_else(|| "—".into());
+    s += &format!(
+        "| ratio (broker ÷ bare, same run) | value |\n|---|---|\n| fan-out time p50 (a) | {} |\n| fan-out time p99 (a) | {} |\n| fan-out time p50, hot CR (b) | {} |\n| warm first message ÷ unary round trip | {} |\n| memory per idle one-stream sidecar | {} |\n\n",
+        x(r.ratios.fanout_p50),
+        x(r.ratios.fanout_p99),
+        x(r.ratios.hot_fanout_p50),
+        x(r.ratios.warm_first_message_vs_unary),
+        x(r.ratios.idle_memory)
+    );
+    if let Some(f) = &r.fanout {
+        s += &fanout_table("(a) many subscribers, many CRs", f);
+    }
+    if let Some(f) = &r.hot {
+        s += &fanout_table("(b) one hot CR", f);
+    }
+    if let Some(st) = &r.storm {
+        s += &format!(
+            "### (c) reconnect storm\n\n{} subscribers on {} CRs at once, on a broker with no watches: all served in {:.2} s; first message p50 / p99 / max {} / {} / {} ms; LISTs per CR {}–{}, WATCHes per CR {}–{} (goal 1 and 1); {} open watches; {} stream errors.\n\n",
+            st.subscribers,
+            st.crs,
+            st.all_served_seconds,
+            st.first_message.p50_ms,
+            st.first_message.p99_ms,
+            st.first_message.max_ms,
+            st.lists_per_cr.0,
+            st.lists_per_cr.1,
+            st.watches_per_cr.0,
+            st.watches_per_cr.1,
+            st.open_watches,
+            st.errors
+        );
+    }
+    if let Some(c) = &r.churn {
+        s += &format!(
+            "### (d) churn\n\n{} subscribers alive at once, each for 0.2–3 s, for {} s: {} subscriptions, first message p50 / p99 {} / {} ms, {} watches started, {} lost at the end, {} watches open after everyone left (linger 1 s), {:.2} s broker CPU.\n\n",
+            c.active,
+            c.seconds,
+            c.subscriptions,
+            c.first_message.p50_ms,
+            c.first_message.p99_ms,
+            c.watch_starts,
+            c.lost,
+            c.open_watches_after,
+            c.cpu_seconds
+        );
+    }
+    if let Some(i) = &r.idle {
+        s += &format!(
+            "### Idle sidecars (one connection, one stream each)\n\n| | broker | bare tonic |\n|---|---|---|\n| sidecars | {} | {} |\n| memory before → after | {} → {} | {} → {} |\n| per sidecar | {} | {} |\n| connect time | {:.1} s | {:.1} s |\n\n",
+            i.broker.sidecars,
+            i.bare.sidecars,
+            mib(i.broker.rss_before_bytes),
+            mib(i.broker.rss_after_bytes),
+            mib(i.bare.rss_before_bytes),
+            mib(i.bare.rss_after_bytes),
+            kib(i.broker.bytes_per_sidecar),
+            kib(i.bare.bytes_per_sidecar),
+            i.broker.connect_seconds,
+            i.bare.connect_seconds
+        );
+    }
+    s
+}
+
+/// Writes `results.json`, `summary.md` and `latency.png` into `dir`; returns the summary.
+pub fn write(dir: &Path, r: &Results) -> anyhow::Result<String> {
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    std::fs::write(dir.join("results.json"), serde_json::to_string_pretty(r)?)?;
+    let summary = markdown(r);
+    std::fs::write(dir.join("summary.md"), &summary)?;
+    plot(&dir.join("latency.png"), r)?;
+    Ok(summary)
+}
+
+/// The font for the plot's text, from the system (DejaVu Sans on Debian).
+fn font() -> Option<&'static [u8]> {
+    let candidates = [
+        "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf",
+        "/usr/share/fonts/TTF/DejaVuSans.ttf",
+        "/usr/share/fonts/dejavu/DejaVuSans.ttf",
+    ];
+    candidates
+        .iter()
+        .find_map(|p| std::fs::read(p).ok())
+        .map(|bytes| &*Box::leak(bytes.into_boxed_slice()))
+}
+
+/// One line of the plot: its label, its (ms, fraction) points and its colour.
+type Series<'a> = (String, &'a Vec<(f64, f64)>, plotters::style::RGBColor);
+
+fn plot(path: &Path, r: &Results) -> anyhow::Result<()> {
+    use plotters::prelude::*;
+    let series: Vec<Series<'_>> = [
+        r.fanout.as_ref().map(|f| {
+            (
+                "(a) broker".to_string(),
+                &f.broker.cdf,
+                RGBColor(200, 40, 40),
+            )
+        }),
+        r.fanout.as_ref().map(|f| {
+            (
+                "(a) bare tonic".to_string(),
+                &f.bare.cdf,
+                RGBColor(40, 40, 200),
+            )
+        }),
+        r.hot.as_ref().map(|f| {
+            (
+                "(b) broker".to_string(),
+                &f.broker.cdf,
+                RGBColor(230, 140, 0),
+            )
+        }),
+        r.hot.as_ref().map(|f| {
+            (
+                "(b) bare tonic".to_string(),
+                &f.bare.cdf,
+                RGBColor(0, 150, 150),
+            )
+        }),
+    ]
+    .into_iter()
+    .flatten()
+    .filter(|(_, points, _)| !points.is_empty())
+    .collect();
+    let with_text = font().is_some_and(|f| {
+        plotters::style::register_font("sans-serif", FontStyle::Normal, f).is_ok()
+    });
+    let root = BitMapBackend::new(path, (900, 560)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let max_ms = series
+        .iter()
+        .flat_map(|(_, p, _)| p.iter().map(|(ms, _)| *ms))
+        .fold(1.0f64, f64::max);
+    let mut builder = ChartBuilder::on(&root);
+    builder
+        .margin(20)
+        .x_label_area_size(45)
+        .y_label_area_size(55);
+    if with_text {
+        builder.caption(
+            "Delivery latency: write → subscriber (CDF)",
+            ("sans-serif", 22),
+        );
+    }
+    let mut chart = builder.build_cartesian_2d((0.01f64..max_ms * 1.2).log_scale(), 0f64..1.0)?;
+    let mut mesh = chart.configure_mesh();
+    if with_text {
+        mesh.x_desc("milliseconds (log)")
+            .y_desc("fraction of deliveries");
+    } else {
+        mesh.disable_x_mesh().disable_y_mesh();
+    }
+    mesh.draw()?;
+    for (label, points, color) in &series {
+        let drawn = chart.draw_series(LineSeries::new(
+            points.iter().map(|(ms, f)| (ms.max(0.01), *f)),
+            ShapeStyle::from(*color).stroke_width(2),
+        ))?;
+        if with_text {
+            let color = *color;
+            drawn.label(label.clone()).legend(move |(x, y)| {
+                PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(3))
+            });
+        }
+    }
+    if with_text {
+        chart
+            .configure_series_labels()
+            .border_style(BLACK)
+            .background_style(WHITE.mix(0.8))
+            .position(SeriesLabelPosition::LowerRight)
+            .draw()?;
+    }
+    root.present()?;
+    Ok(())
+}
+
+/// The broker's metrics, as `name{labels}` → value.
+pub async fn scrape(admin: SocketAddr) -> BTreeMap<String, f64> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let Ok(mut stream) = tokio::net::TcpStream::connect(admin).await else {
+        return BTreeMap::new();
+    };
+    let request = format!("GET /metrics HTTP/1.1\r\nHost: {admin}\r\nConnection: close\r\n\r\n");
+    if stream.write_all(request.as_bytes()).await.is_err() {
+        return BTreeMap::new();
+    }
+    let mut text = String::new();
+    let _ = stream.read_to_string(&mut text).await;
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| {
+            let (k, v) = l.rsplit_once(' ')?;
+            Some((k.to_string(), v.parse().ok()?))
+        })
+        .collect()
+}

@@ -1,0 +1,735 @@
+//! The scenarios: each sets up a fake API server and a server under test, applies load on
+//! loopback for a bounded time, and measures.
+
+use std::net::Ipv4Addr;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use fake_apiserver::{FakeApiServer, Options};
+use futures::StreamExt;
+use indicatif::{ProgressBar, ProgressStyle};
+use serde::Serialize;
+use serde_json::{Value, json};
+use tonic::transport::Channel;
+
+use crate::Run;
+use crate::clients::{self, Recorder, now_nanos, tokio_util_like};
+use crate::report;
+use crate::stats::{self, Histogram, Summary};
+use crate::target::{Kind, Target};
+
+const CRD: &str = include_str!("../../examples/manifests/featureflag-crd.yaml");
+const GV: &str = "core.openfeature.dev/v1beta1";
+
+fn name(k: usize) -> String {
+    format!("ff-{k}")
+}
+
+fn bar(len: u64, message: &str) -> ProgressBar {
+    let bar = ProgressBar::new(len);
+    bar.set_style(
+        ProgressStyle::with_template("{msg:40} [{bar:30}] {pos}/{len} {elapsed}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar())
+            .progress_chars("=> "),
+    );
+    bar.set_message(message.to_string());
+    bar
+}
+
+/// A fake API server holding `crs` FeatureFlags of about `payload` bytes, and a kubeconfig.
+async fn fake(crs: usize, payload: usize) -> anyhow::Result<(FakeApiServer, tempfile_like::Dir)> {
+    let options = Options {
+        history_limit: 100_000,
+        ..Options::default()
+    }
+    .crd_yaml(CRD)?;
+    let fake = FakeApiServer::start_with(options).await?;
+    for k in 0..crs {
+        fake.apply(flag(&name(k), payload))?;
+    }
+    let dir = tempfile_like::Dir::new()?;
+    fake.write_kubeconfig(&dir.path().join("kubeconfig"))?;
+    Ok((fake, dir))
+}
+
+fn flag(name: &str, payload: usize) -> Value {
+    let mut f = json!({
+        "apiVersion": GV,
+        "kind": "FeatureFlag",
+        "metadata": { "name": name, "namespace": "default" },
+        "spec": { "flagSpec": {
+            "metadata": { "seq": 0, "sentAt": 0, "padding": "" },
+            "flags": { "f": { "state": "ENABLED", "variants": { "on": true, "off": false }, "defaultVariant": "on" } },
+        } },
+    });
+    let size = f.to_string().len() + 200; // the server adds its metadata
+    f["spec"]["flagSpec"]["metadata"]["padding"] = json!("x".repeat(payload.saturating_sub(size)));
+    f
+}
+
+/// Directories that clean up after themselves (no extra dependency).
+mod tempfile_like {
+    use std::path::{Path, PathBuf};
+
+    pub struct Dir(PathBuf);
+
+    impl Dir {
+        pub fn new() -> std::io::Result<Dir> {
+            let path = std::env::temp_dir().join(format!(
+                "crd-broker-loadtest-{}-{}",
+                std::process::id(),
+                crate::clients::now_nanos()
+            ));
+            std::fs::create_dir_all(&path)?;
+            Ok(Dir(path))
+        }
+
+        pub fn path(&self) -> &Path {
+            &self.0
+        }
+    }
+
+    impl Drop for Dir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+}
+
+/// What one server did in a fan-out run.
+#[derive(Debug, Clone, Serialize)]
+pub struct FanoutRun {
+    /// Which server.
+    pub target: Kind,
+    /// Write → receipt, for every live update and subscriber.
+    pub deliveries: Summary,
+    /// Write → receipt by the last subscriber, per update: the fan-out time.
+    pub fanout: Summary,
+    /// First message of subscriptions that started a watch.
+    pub first_cold: Summary,
+    /// First message of subscriptions to an already-watched resource.
+    pub first_warm: Summary,
+    /// A unary round trip on a warm connection (the bare server's health Check).
+    pub unary: Option<Summary>,
+    /// Server memory before the subscribers came.
+    pub rss_before_bytes: u64,
+    /// Server memory with every subscriber connected and served.
+    pub rss_loaded_bytes: u64,
+    /// (loaded - before) / subscribers.
+    pub bytes_per_stream: f64,
+    /// Server CPU time while updates were written.
+    pub cpu_seconds: f64,
+    /// Updates written.
+    pub updates: u64,
+    /// Subscribers that did not end on their resource's last state.
+    pub lost: u64,
+    /// Streams that ended with an error.
+    pub errors: u64,
+    /// Watches open on the API server during the run (broker only).
+    pub open_watches: Option<usize>,
+    /// LIST requests the API server received (broker only).
+    pub lists: Option<usize>,
+    /// WATCH requests the API server received (broker only).
+    pub watches: Option<usize>,
+    /// The delivery-latency distribution, for the plot.
+    #[serde(skip)]
+    pub cdf: Vec<(f64, f64)>,
+}
+
+/// A fan-out scenario, on both servers.
+#[derive(Debug, Clone, Serialize)]
+pub struct Fanout {
+    /// Subscribers.
+    pub subscribers: usize,
+    /// Connections.
+    pub connections: usize,
+    /// Custom resources.
+    pub crs: usize,
+    /// Updates per second.
+    pub rate: f64,
+    /// Seconds of updates.
+    pub seconds: f64,
+    /// The broker.
+    pub broker: FanoutRun,
+    /// The bare tonic server.
+    pub bare: FanoutRun,
+}
+
+async fn start_subscribers(
+    channels: &[Channel],
+    names: &[String],
+    range: std::ops::Range<usize>,
+    cold: bool,
+    recorder: &Arc<Recorder>,
+    stop: &tokio_util_like::Stop,
+) {
+    for i in range {
+        let channel = channels[i % channels.len()].clone();
+        tokio::spawn(clients::subscribe(
+            channel,
+            names[i].clone(),
+            i,
+            cold,
+            recorder.clone(),
+            stop.clone(),
+        ));
+    }
+}
+
+async fn wait_until(
+    what: &str,
+    timeout: Duration,
+    mut done: impl FnMut() -> bool,
+) -> anyhow::Result<()> {
+    let deadline = Instant::now() + timeout;
+    while !done() {
+        anyhow::ensure!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    Ok(())
+}
+
+fn firsts(r: &Recorder) -> u64 {
+    r.first_cold.count() + r.first_warm.count()
+}
+
+/// One server under the fan-out load.
+async fn fanout_on(
+    run: &Run,
+    kind: Kind,
+    subscribers: usize,
+    connections: usize,
+    crs: usize,
+) -> anyhow::Result<FanoutRun> {
+    let (fake, dir) = fake(crs, run.payload_bytes).await?;
+    let bin = crate::target::broker_bin(run.broker_bin.clone())?;
+    let mut target = match kind {
+        Kind::Broker => {
+            Target::broker(
+                &bin,
+                &dir.path().join("kubeconfig"),
+                Duration::from_secs(30),
+            )
+            .await?
+        }
+        Kind::Bare => {
+            let mut t = Target::bare().await?;
+            for k in 0..crs {
+                let obj = fake.get(GV, "featureflags", "default", &name(k))?;
+                t.feed(&name(k), &obj.to_string()).await?;
+            }
+            t
+        }
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let rss_before = target.rss();
+    let channels = clients::connections(target.grpc, connections, run.sources).await?;
+    let names: Vec<String> = (0..subscribers).map(|i| name(i % crs)).collect();
+    let updates = (run.rate * run.duration.as_secs_f64()).round() as usize;
+    let recorder = Recorder::new(subscribers, updates);
+    let (trigger, stop) = tokio_util_like::signal();
+
+    // One subscriber per resource first (cold: it starts the watch), then the rest (warm).
+    let progress = bar(subscribers as u64, &format!("{kind:?}: subscribing"));
+    let cold = subscribers.min(crs);
+    start_subscribers(&channels, &names, 0..cold, true, &recorder, &stop).await;
+    wait_until("the cold subscribers", Duration::from_secs(60), || {
+        firsts(&recorder) as usize >= cold
+    })
+    .await?;
+    start_subscribers(
+        &channels,
+        &names,
+        cold..subscribers,
+        false,
+        &recorder,
+        &stop,
+    )
+    .await;
+    wait_until(
+        "every subscriber's first message",
+        Duration::from_secs(120),
+        || {
+            progress.set_position(firsts(&recorder));
+            firsts(&recorder) as usize >= subscribers
+        },
+    )
+    .await?;
+    progress.finish_and_clear();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let rss_loaded = target.rss();
+
+    // Updates at the rate, round robin over the resources.
+    let cpu_before = target.cpu();
+    let progress = bar(updates as u64, &format!("{kind:?}: updating"));
+    let started = Instant::now();
+    let mut last_seq = vec![0u64; crs];
+    let mut last_rv = vec![String::new(); crs];
+    for seq in 1..=updates {
+        let due = started + Duration::from_secs_f64(seq as f64 / run.rate);
+        tokio::time::sleep_until(due.into()).await;
+        let k = seq % crs;
+        let sent = now_nanos();
+        let patch = json!({ "spec": { "flagSpec": { "metadata": { "seq": seq, "sentAt": if kind == Kind::Broker { sent } else { 0 } } } } });
+        let mut obj = fake.merge_patch(GV, "featureflags", "default", &name(k), patch)?;
+        if kind == Kind::Bare {
+            obj["spec"]["flagSpec"]["metadata"]["sentAt"] = json!(now_nanos());
+            target.feed(&name(k), &obj.to_string()).await?;
+        }
+        last_seq[k] = seq as u64;
+        last_rv[k] = obj["metadata"]["resourceVersion"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string();
+        progress.inc(1);
+    }
+    progress.finish_and_clear();
+    // Lost = subscribers not on their resource's last state once things settle.
+    let lost = |r: &Recorder| {
+        (0..subscribers)
+            .filter(|i| {
+                let k = i % crs;
+                let seq_ok = r.last_seq[*i].load(Ordering::Relaxed) == last_seq[k];
+                let rv_ok = kind == Kind::Bare
+                    || r.last_rv[*i]
+                        .lock()
+                        .map(|v| *v == last_rv[k])
+                        .unwrap_or(false);
+                !(seq_ok && rv_ok)
+            })
+            .count() as u64
+    };
+    let _ = wait_until(
+        "every subscriber on the last state",
+        Duration::from_secs(30),
+        || lost(&recorder) == 0,
+    )
+    .await;
+    let cpu = target.cpu().saturating_sub(cpu_before);
+
+    let unary = match kind {
+        Kind::Bare => Some(unary_round_trips(channels[0].clone()).await),
+        Kind::Broker => None,
+    };
+    let result = FanoutRun {
+        target: kind,
+        deliveries: recorder.deliveries.summary(),
+        fanout: recorder.completions().summary(),
+        first_cold: recorder.first_cold.summary(),
+        first_warm: recorder.first_warm.summary(),
+        unary,
+        rss_before_bytes: rss_before,
+        rss_loaded_bytes: rss_loaded,
+        bytes_per_stream: rss_loaded.saturating_sub(rss_before) as f64 / subscribers as f64,
+        cpu_seconds: cpu.as_secs_f64(),
+        updates: updates as u64,
+        lost: lost(&recorder),
+        errors: recorder.errors.load(Ordering::Relaxed),
+        open_watches: (kind == Kind::Broker).then(|| fake.open_watches()),
+        lists: (kind == Kind::Broker)
+            .then(|| fake.requests().iter().filter(|r| r.verb == "list").count()),
+        watches: (kind == Kind::Broker)
+            .then(|| fake.requests().iter().filter(|r| r.verb == "watch").count()),
+        cdf: recorder.deliveries.cdf(),
+    };
+    trigger.stop();
+    drop(channels);
+    target.stop().await;
+    Ok(result)
+}
+
+async fn unary_round_trips(channel: Channel) -> Summary {
+    let mut health = tonic_health::pb::health_client::HealthClient::new(channel);
+    let h = Histogram::default();
+    for _ in 0..200 {
+        let t = Instant::now();
+        let _ = health
+            .check(tonic_health::pb::HealthCheckRequest {
+                service: String::new(),
+            })
+            .await;
+        h.record(t.elapsed());
+    }
+    h.summary()
+}
+
+/// Scenarios (a) and (b): the broker and the bare server under the same load.
+pub async fn fanout(run: &Run, crs: usize) -> anyhow::Result<Fanout> {
+    let broker = fanout_on(run, Kind::Broker, run.subscribers, run.connections, crs).await?;
+    let bare = fanout_on(run, Kind::Bare, run.subscribers, run.connections, crs).await?;
+    Ok(Fanout {
+        subscribers: run.subscribers,
+        connections: run.connections,
+        crs,
+        rate: run.rate,
+        seconds: run.duration.as_secs_f64(),
+        broker,
+        bare,
+    })
+}
+
+/// Scenario (c): a reconnect storm at a broker with no watches.
+#[derive(Debug, Clone, Serialize)]
+pub struct Storm {
+    /// Subscribers.
+    pub subscribers: usize,
+    /// Custom resources they ask for.
+    pub crs: usize,
+    /// Seconds until the last subscriber had its first message.
+    pub all_served_seconds: f64,
+    /// First messages.
+    pub first_message: Summary,
+    /// LISTs per resource: the least and the most.
+    pub lists_per_cr: (usize, usize),
+    /// WATCHes per resource: the least and the most.
+    pub watches_per_cr: (usize, usize),
+    /// Watches open on the API server afterwards.
+    pub open_watches: usize,
+    /// Streams that failed.
+    pub errors: u64,
+}
+
+/// Runs the storm.
+pub async fn storm(run: &Run) -> anyhow::Result<Storm> {
+    let (fake, dir) = fake(run.crs, run.payload_bytes).await?;
+    let bin = crate::target::broker_bin(run.broker_bin.clone())?;
+    let target = Target::broker(
+        &bin,
+        &dir.path().join("kubeconfig"),
+        Duration::from_secs(30),
+    )
+    .await?;
+    let channels = clients::connections(target.grpc, run.connections, run.sources).await?;
+    fake.clear_requests();
+    let n = run.subscribers;
+    let names: Vec<String> = (0..n).map(|i| name(i % run.crs)).collect();
+    let recorder = Recorder::new(n, 0);
+    let (trigger, stop) = tokio_util_like::signal();
+    let started = Instant::now();
+    // All at once: every subscriber races for its resource's first watch.
+    start_subscribers(&channels, &names, 0..n, true, &recorder, &stop).await;
+    let progress = bar(n as u64, "storm: subscribing");
+    wait_until(
+        "the storm's first messages",
+        Duration::from_secs(120),
+        || {
+            progress.set_position(firsts(&recorder));
+            firsts(&recorder) as usize >= n
+        },
+    )
+    .await?;
+    progress.finish_and_clear();
+    let all_served = started.elapsed();
+    let requests = fake.requests();
+    let per_cr = |verb: &str| {
+        let counts: Vec<usize> = (0..run.crs)
+            .map(|k| {
+                let selector = format!("metadata.name={}", name(k));
+                requests
+                    .iter()
+                    .filter(|r| {
+                        r.verb == verb && r.param("fieldSelector") == Some(selector.as_str())
+                    })
+                    .count()
+            })
+            .collect();
+        (
+            counts.iter().copied().min().unwrap_or(0),
+            counts.iter().copied().max().unwrap_or(0),
+        )
+    };
+    let result = Storm {
+        subscribers: n,
+        crs: run.crs,
+        all_served_seconds: all_served.as_secs_f64(),
+        first_message: recorder.first_cold.summary(),
+        lists_per_cr: per_cr("list"),
+        watches_per_cr: per_cr("watch"),
+        open_watches: fake.open_watches(),
+        errors: recorder.errors.load(Ordering::Relaxed),
+    };
+    trigger.stop();
+    target.stop().await;
+    Ok(result)
+}
+
+/// Scenario (d): subscribers come and go while updates flow.
+#[derive(Debug, Clone, Serialize)]
+pub struct Churn {
+    /// Subscribers alive at once.
+    pub active: usize,
+    /// Seconds it ran.
+    pub seconds: f64,
+    /// Subscriptions opened.
+    pub subscriptions: u64,
+    /// First messages.
+    pub first_message: Summary,
+    /// Watches the broker started (its metrics).
+    pub watch_starts: f64,
+    /// Subscribers alive at the end that were not on their resource's last state.
+    pub lost: u64,
+    /// Watches open on the API server once everyone left and the linger passed.
+    pub open_watches_after: usize,
+    /// Broker CPU time over the run.
+    pub cpu_seconds: f64,
+}
+
+/// Runs the churn.
+pub async fn churn(run: &Run) -> anyhow::Result<Churn> {
+    let crs = run.crs;
+    let (fake, dir) = fake(crs, run.payload_bytes).await?;
+    let bin = crate::target::broker_bin(run.broker_bin.clone())?;
+    let linger = Duration::from_secs(1);
+    let target = Target::broker(&bin, &dir.path().join("kubeconfig"), linger).await?;
+    let channels =
+        clients::connections(target.grpc, (run.connections / 10).max(1), run.sources).await?;
+    let active = run.churn_subscribers;
+    let recorder = Recorder::new(active, 0);
+    let cpu_before = target.cpu();
+    let started = Instant::now();
+    let opened = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let (end_trigger, end) = tokio_util_like::signal();
+    // Each slot runs subscriber after subscriber, each living 0.2–3 s on a pseudo-random resource.
+    let mut slots = Vec::new();
+    for slot in 0..active {
+        let (channels, recorder, opened, end) = (
+            channels.clone(),
+            recorder.clone(),
+            opened.clone(),
+            end.clone(),
+        );
+        slots.push(tokio::spawn(async move {
+            let mut x = (slot as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+            let mut step = || {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x
+            };
+            loop {
+                let k = (step() % crs as u64) as usize;
+                let life = Duration::from_millis(200 + step() % 2800);
+                let (trigger, stop) = tokio_util_like::signal();
+                opened.fetch_add(1, Ordering::Relaxed);
+                let task = tokio::spawn(clients::subscribe(
+                    channels[slot % channels.len()].clone(),
+                    name(k),
+                    slot,
+                    false,
+                    recorder.clone(),
+                    stop,
+                ));
+                tokio::select! {
+                    _ = tokio::time::sleep(life) => { trigger.stop(); let _ = task.await; }
+                    _ = end.wait() => {
+                        // The last subscriber of the slot stays for the final-state check.
+                        return (k, trigger, task);
+                    }
+                }
+            }
+        }));
+    }
+    // Updates while they churn.
+    let total = (run.rate * run.churn_duration.as_secs_f64()).round() as usize;
+    let mut last_seq = vec![0u64; crs];
+    let progress = bar(total as u64, "churn: updating");
+    for seq in 1..=total {
+        tokio::time::sleep_until((started + Duration::from_secs_f64(seq as f64 / run.rate)).into())
+            .await;
+        let k = seq % crs;
+        let patch = json!({ "spec": { "flagSpec": { "metadata": { "seq": seq, "sentAt": now_nanos() } } } });
+        fake.merge_patch(GV, "featureflags", "default", &name(k), patch)?;
+        last_seq[k] = seq as u64;
+        progress.inc(1);
+    }
+    progress.finish_and_clear();
+    end_trigger.stop();
+    let mut last = Vec::new();
+    for s in slots {
+        last.push(s.await.context("a churn slot")?);
+    }
+    let lost = |r: &Recorder| {
+        last.iter()
+            .enumerate()
+            .filter(|(slot, (k, _, _))| r.last_seq[*slot].load(Ordering::Relaxed) != last_seq[*k])
+            .count() as u64
+    };
+    let _ = wait_until("the churn's final states", Duration::from_secs(30), || {
+        lost(&recorder) == 0
+    })
+    .await;
+    let lost_count = lost(&recorder);
+    let cpu = target.cpu().saturating_sub(cpu_before);
+    for (_, trigger, task) in last {
+        trigger.stop();
+        let _ = task.await;
+    }
+    drop(channels);
+    // Everyone left: after the linger no watch may remain.
+    let _ = wait_until(
+        "the watches to close",
+        linger + Duration::from_secs(5),
+        || fake.open_watches() == 0,
+    )
+    .await;
+    let metrics = match target.admin {
+        Some(admin) => report::scrape(admin).await,
+        None => Default::default(),
+    };
+    let result = Churn {
+        active,
+        seconds: run.churn_duration.as_secs_f64(),
+        subscriptions: opened.load(Ordering::Relaxed),
+        first_message: recorder.first_warm.summary(),
+        watch_starts: metrics
+            .iter()
+            .filter(|(k, _)| k.starts_with("crd_broker_watch_starts_total"))
+            .map(|(_, v)| v)
+            .sum(),
+        lost: lost_count,
+        open_watches_after: fake.open_watches(),
+        cpu_seconds: cpu.as_secs_f64(),
+    };
+    target.stop().await;
+    Ok(result)
+}
+
+/// Memory of idle one-stream sidecars on one server.
+#[derive(Debug, Clone, Serialize)]
+pub struct IdleRun {
+    /// Which server.
+    pub target: Kind,
+    /// Sidecars connected and served.
+    pub sidecars: usize,
+    /// Server memory before.
+    pub rss_before_bytes: u64,
+    /// Server memory with every sidecar connected.
+    pub rss_after_bytes: u64,
+    /// (after - before) / sidecars.
+    pub bytes_per_sidecar: f64,
+    /// Seconds to connect them all.
+    pub connect_seconds: f64,
+}
+
+/// Idle memory on both servers.
+#[derive(Debug, Clone, Serialize)]
+pub struct Idle {
+    /// The broker.
+    pub broker: IdleRun,
+    /// The bare tonic server.
+    pub bare: IdleRun,
+}
+
+async fn idle_on(run: &Run, kind: Kind) -> anyhow::Result<IdleRun> {
+    let crs = run.crs;
+    let (fake, dir) = fake(crs, run.payload_bytes).await?;
+    let bin = crate::target::broker_bin(run.broker_bin.clone())?;
+    let target = match kind {
+        Kind::Broker => {
+            Target::broker(
+                &bin,
+                &dir.path().join("kubeconfig"),
+                Duration::from_secs(30),
+            )
+            .await?
+        }
+        Kind::Bare => {
+            let mut t = Target::bare().await?;
+            for k in 0..crs {
+                let obj = fake.get(GV, "featureflags", "default", &name(k))?;
+                t.feed(&name(k), &obj.to_string()).await?;
+            }
+            t
+        }
+    };
+    // Warm every watch first, so the measurement is the sidecars' own cost.
+    let warm = clients::connections(target.grpc, 1, 1).await?;
+    let recorder = Recorder::new(crs, 0);
+    let (trigger, stop) = tokio_util_like::signal();
+    let names: Vec<String> = (0..crs).map(name).collect();
+    start_subscribers(&warm, &names, 0..crs, true, &recorder, &stop).await;
+    wait_until("the warm-up", Duration::from_secs(60), || {
+        firsts(&recorder) as usize >= crs
+    })
+    .await?;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let before = target.rss();
+    let n = run.sidecars;
+    let progress = bar(n as u64, &format!("{kind:?}: idle sidecars"));
+    let started = Instant::now();
+    let addr = target.grpc;
+    let sources = run.sources.max(1);
+    let sidecars: Vec<clients::Sidecar> = futures::stream::iter(0..n)
+        .map(|i| {
+            let local = Ipv4Addr::new(127, 0, 0, 1 + (i % sources as usize) as u8);
+            let name = name(i % crs);
+            let progress = progress.clone();
+            async move {
+                let s = clients::sidecar(addr, local, &name).await;
+                progress.inc(1);
+                s
+            }
+        })
+        .buffer_unordered(256)
+        .collect::<Vec<_>>()
+        .await
+        .into_iter()
+        .collect::<Result<_, _>>()?;
+    progress.finish_and_clear();
+    let connect = started.elapsed();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let after = target.rss();
+    let result = IdleRun {
+        target: kind,
+        sidecars: sidecars.len(),
+        rss_before_bytes: before,
+        rss_after_bytes: after,
+        bytes_per_sidecar: after.saturating_sub(before) as f64 / n.max(1) as f64,
+        connect_seconds: connect.as_secs_f64(),
+    };
+    drop(sidecars);
+    trigger.stop();
+    target.stop().await;
+    let _ = fake;
+    Ok(result)
+}
+
+/// The idle-memory scenario.
+pub async fn idle(run: &Run) -> anyhow::Result<Idle> {
+    Ok(Idle {
+        broker: idle_on(run, Kind::Broker).await?,
+        bare: idle_on(run, Kind::Bare).await?,
+    })
+}
+
+/// Every scenario asked for, then the reports.
+pub async fn run_all(run: Run) -> anyhow::Result<()> {
+    let fds = stats::raise_fd_limit();
+    crate::target::broker_bin(run.broker_bin.clone())?;
+    let mut results = report::Results::new(&run, fds);
+    if run.wants("fanout") {
+        results.fanout = Some(
+            fanout(&run, run.crs)
+                .await
+                .context("the fan-out scenario")?,
+        );
+    }
+    if run.wants("hot") {
+        results.hot = Some(fanout(&run, 1).await.context("the hot-CR scenario")?);
+    }
+    if run.wants("storm") {
+        results.storm = Some(storm(&run).await.context("the storm scenario")?);
+    }
+    if run.wants("churn") {
+        results.churn = Some(churn(&run).await.context("the churn scenario")?);
+    }
+    if run.wants("idle") {
+        results.idle = Some(idle(&run).await.context("the idle scenario")?);
+    }
+    results.compute_ratios();
+    let summary = report::write(&run.out, &results)?;
+    println!("{summary}");
+    Ok(())
+}

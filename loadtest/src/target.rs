@@ -1,0 +1,158 @@
+//! The servers under test, each a separate process: the release-built broker (on the fake API
+//! server through a kubeconfig) or the bare tonic server (this binary's `bare` subcommand).
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::Duration;
+
+use anyhow::Context;
+use tokio::io::AsyncWriteExt;
+use tokio::process::{Child, ChildStdin, Command};
+
+use crate::stats;
+
+/// Which server.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Kind {
+    /// crd-broker.
+    Broker,
+    /// The bare tonic server.
+    Bare,
+}
+
+/// A running server.
+pub struct Target {
+    /// Which.
+    pub kind: Kind,
+    /// Its gRPC address.
+    pub grpc: SocketAddr,
+    /// Its admin address (the broker only).
+    pub admin: Option<SocketAddr>,
+    child: Child,
+    stdin: Option<ChildStdin>,
+}
+
+fn free_port() -> anyhow::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
+}
+
+impl Target {
+    /// Starts the broker binary against the API server behind `kubeconfig`.
+    pub async fn broker(bin: &Path, kubeconfig: &Path, linger: Duration) -> anyhow::Result<Target> {
+        let grpc: SocketAddr = ([127, 0, 0, 1], free_port()?).into();
+        let admin: SocketAddr = ([127, 0, 0, 1], free_port()?).into();
+        let child = Command::new(bin)
+            .args([
+                "serve",
+                "--grpc-addr",
+                &grpc.to_string(),
+                "--admin-addr",
+                &admin.to_string(),
+            ])
+            .args(["--linger", &humantime::format_duration(linger).to_string()])
+            .args(["--max-connection-age", "0", "--readiness-interval", "1s"])
+            .env("KUBECONFIG", kubeconfig)
+            .env("RUST_LOG", "warn")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .kill_on_drop(true)
+            .spawn()
+            .with_context(|| format!("starting {}", bin.display()))?;
+        let target = Target {
+            kind: Kind::Broker,
+            grpc,
+            admin: Some(admin),
+            child,
+            stdin: None,
+        };
+        target.wait_listening(grpc).await?;
+        Ok(target)
+    }
+
+    /// Starts the bare tonic server (this binary, `bare` subcommand).
+    pub async fn bare() -> anyhow::Result<Target> {
+        let grpc: SocketAddr = ([127, 0, 0, 1], free_port()?).into();
+        let mut child = Command::new(std::env::current_exe()?)
+            .args(["bare", "--addr", &grpc.to_string()])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .kill_on_drop(true)
+            .spawn()?;
+        let stdin = child.stdin.take();
+        let target = Target {
+            kind: Kind::Bare,
+            grpc,
+            admin: None,
+            child,
+            stdin,
+        };
+        target.wait_listening(grpc).await?;
+        Ok(target)
+    }
+
+    async fn wait_listening(&self, addr: SocketAddr) -> anyhow::Result<()> {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        while tokio::net::TcpStream::connect(addr).await.is_err() {
+            anyhow::ensure!(
+                tokio::time::Instant::now() < deadline,
+                "{:?} did not listen on {addr}",
+                self.kind
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        Ok(())
+    }
+
+    /// Its process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id().unwrap_or(0)
+    }
+
+    /// Its resident memory.
+    pub fn rss(&self) -> u64 {
+        stats::rss(self.pid())
+    }
+
+    /// Its CPU time so far.
+    pub fn cpu(&self) -> Duration {
+        stats::cpu(self.pid())
+    }
+
+    /// Sends a message for the bare server to broadcast to `name`'s streams.
+    pub async fn feed(&mut self, name: &str, json: &str) -> anyhow::Result<()> {
+        let stdin = self.stdin.as_mut().context("only the bare server is fed")?;
+        stdin
+            .write_all(format!("{name}\t{json}\n").as_bytes())
+            .await?;
+        stdin.flush().await?;
+        Ok(())
+    }
+
+    /// Stops it.
+    pub async fn stop(mut self) {
+        let _ = self.child.kill().await;
+    }
+}
+
+/// The broker binary: `--broker-bin`, else `crd-broker` next to this binary.
+pub fn broker_bin(given: Option<PathBuf>) -> anyhow::Result<PathBuf> {
+    let path = match given {
+        Some(p) => p,
+        None => std::env::current_exe()?
+            .parent()
+            .context("this binary has a directory")?
+            .join("crd-broker"),
+    };
+    anyhow::ensure!(
+        path.exists(),
+        "no broker binary at {} (build it with `cargo build --release -p crd-broker`, or pass --broker-bin)",
+        path.display()
+    );
+    Ok(path)
+}

@@ -1,0 +1,93 @@
+//! A tiny configuration of every scenario (a few seconds), so the harness cannot rot: it runs,
+//! measures both servers, loses nothing, and writes its three reports.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+use serde_json::Value;
+
+/// The broker binary cargo built for this workspace (next to this test's directory).
+fn broker_bin() -> PathBuf {
+    let exe = std::env::current_exe().expect("the test binary");
+    let dir = exe
+        .parent()
+        .and_then(|d| d.parent())
+        .expect("target/<profile>");
+    let bin = dir.join("crd-broker");
+    assert!(
+        bin.exists(),
+        "{} is missing: build the workspace (scripts/test does, or `cargo build -p crd-broker`)",
+        bin.display()
+    );
+    bin
+}
+
+#[test]
+fn the_smoke_configuration_runs_every_scenario_and_loses_nothing() {
+    let out =
+        std::env::temp_dir().join(format!("crd-broker-loadtest-smoke-{}", std::process::id()));
+    let status = Command::new(env!("CARGO_BIN_EXE_crd-broker-loadtest"))
+        .arg("--smoke")
+        .arg("--broker-bin")
+        .arg(broker_bin())
+        .arg("--out")
+        .arg(&out)
+        .env("RUST_BACKTRACE", "0")
+        .status()
+        .expect("the harness runs");
+    assert!(status.success());
+    let results: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("results.json")).unwrap()).unwrap();
+    for scenario in ["fanout", "hot"] {
+        for target in ["broker", "bare"] {
+            let run = &results[scenario][target];
+            assert_eq!(run["lost"], 0, "{scenario} {target}: {run}");
+            assert_eq!(run["errors"], 0, "{scenario} {target}: {run}");
+            assert!(
+                run["deliveries"]["count"].as_u64().unwrap() > 0,
+                "{scenario} {target}: {run}"
+            );
+            assert!(run["rss_loaded_bytes"].as_u64().unwrap() > 0);
+        }
+        let crs = results[scenario]["crs"].as_u64().unwrap();
+        assert_eq!(
+            results[scenario]["broker"]["open_watches"], crs,
+            "one watch per CR"
+        );
+    }
+    let storm = &results["storm"];
+    assert_eq!(storm["lists_per_cr"], serde_json::json!([1, 1]), "{storm}");
+    assert_eq!(
+        storm["watches_per_cr"],
+        serde_json::json!([1, 1]),
+        "{storm}"
+    );
+    assert_eq!(results["churn"]["lost"], 0);
+    assert_eq!(results["churn"]["open_watches_after"], 0);
+    assert!(
+        results["idle"]["broker"]["bytes_per_sidecar"]
+            .as_f64()
+            .unwrap()
+            > 0.0
+    );
+    for ratio in [
+        "fanout_p50",
+        "hot_fanout_p50",
+        "warm_first_message_vs_unary",
+        "idle_memory",
+    ] {
+        assert!(
+            results["ratios"][ratio].as_f64().is_some_and(|r| r > 0.0),
+            "{ratio}: {}",
+            results["ratios"]
+        );
+    }
+    let summary = std::fs::read_to_string(out.join("summary.md")).unwrap();
+    assert!(summary.contains("(c) reconnect storm"));
+    let png = std::fs::read(out.join("latency.png")).unwrap();
+    assert!(
+        png.starts_with(b"\x89PNG") && png.len() > 10_000,
+        "a real plot"
+    );
+    std::fs::remove_dir_all(&out).ok();
+}
