@@ -104,6 +104,35 @@ pub async fn connections(addr: SocketAddr, n: usize, sources: u8) -> anyhow::Res
     Ok(out)
 }
 
+/// A Subscribe request for the FeatureFlag `default/{name}`.
+fn subscribe_request(name: &str) -> pb::SubscribeRequest {
+    pb::SubscribeRequest {
+        resources: vec![pb::ResourceRef {
+            group: "core.openfeature.dev".into(),
+            version: "v1beta1".into(),
+            resource: "featureflags".into(),
+            namespace: "default".into(),
+            name: name.to_string(),
+        }],
+    }
+}
+
+/// `n` subscriptions to `name`, one after another on `channel`, each timed from the call to its
+/// first message and then dropped: the first-message time of a lone subscriber.
+pub async fn first_messages(channel: Channel, name: &str, n: usize) -> Histogram {
+    let h = Histogram::default();
+    let mut client = BrokerClient::new(channel);
+    for _ in 0..n {
+        let started = Instant::now();
+        if let Ok(response) = client.subscribe(subscribe_request(name)).await
+            && let Ok(Some(_)) = response.into_inner().message().await
+        {
+            h.record(started.elapsed());
+        }
+    }
+    h
+}
+
 /// One subscriber: subscribes to `name`, times its first message, then every live update.
 pub async fn subscribe(
     channel: Channel,
@@ -115,16 +144,7 @@ pub async fn subscribe(
 ) {
     let started = Instant::now();
     let mut client = BrokerClient::new(channel);
-    let request = pb::SubscribeRequest {
-        resources: vec![pb::ResourceRef {
-            group: "core.openfeature.dev".into(),
-            version: "v1beta1".into(),
-            resource: "featureflags".into(),
-            namespace: "default".into(),
-            name,
-        }],
-    };
-    let mut stream = match client.subscribe(request).await {
+    let mut stream = match client.subscribe(subscribe_request(&name)).await {
         Ok(r) => r.into_inner(),
         Err(_) => {
             recorder.errors.fetch_add(1, Ordering::Relaxed);
@@ -238,16 +258,7 @@ pub async fn sidecar(addr: SocketAddr, local: Ipv4Addr, name: &str) -> anyhow::R
         .header("te", "trailers")
         .body(())?;
     let (response, mut stream) = send.send_request(request, false)?;
-    let subscribe = pb::SubscribeRequest {
-        resources: vec![pb::ResourceRef {
-            group: "core.openfeature.dev".into(),
-            version: "v1beta1".into(),
-            resource: "featureflags".into(),
-            namespace: "default".into(),
-            name: name.to_string(),
-        }],
-    };
-    stream.send_data(grpc_frame(&subscribe), true)?;
+    stream.send_data(grpc_frame(&subscribe_request(name)), true)?;
     let mut body = response.await?.into_body();
     let first = body
         .data()

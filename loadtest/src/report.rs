@@ -133,7 +133,7 @@ impl Results {
             self.ratios.fanout_p99 = ratio(f.broker.fanout.p99_ms, f.bare.fanout.p99_ms);
             if let Some(unary) = &f.bare.unary {
                 self.ratios.warm_first_message_vs_unary =
-                    ratio(f.broker.first_warm.p50_ms, unary.p50_ms);
+                    ratio(f.broker.first_warm_alone.p50_ms, unary.p50_ms);
             }
         }
         if let Some(h) = &self.hot {
@@ -166,19 +166,32 @@ fn fanout_table(title: &str, f: &Fanout) -> String {
         lat(&f.bare.fanout),
     );
     s += &row(
+        "of which inside the broker (source event → last write), mean",
+        f.broker
+            .internal_fanout_mean_ms
+            .map(|ms| format!("{ms:.3} ms"))
+            .unwrap_or_else(|| "—".into()),
+        "—".into(),
+    );
+    s += &row(
         "delivery latency (write → each subscriber) p50 / p99 / max",
         lat(&f.broker.deliveries),
         lat(&f.bare.deliveries),
     );
     s += &row(
-        "first message, cold p50 / p99 / max",
+        "first message, cold, all at once p50 / p99 / max",
         lat(&f.broker.first_cold),
         lat(&f.bare.first_cold),
     );
     s += &row(
-        "first message, warm p50 / p99 / max",
+        "first message, warm, all at once p50 / p99 / max",
         lat(&f.broker.first_warm),
         lat(&f.bare.first_warm),
+    );
+    s += &row(
+        "first message, warm, one at a time p50 / p99 / max",
+        lat(&f.broker.first_warm_alone),
+        lat(&f.bare.first_warm_alone),
     );
     s += &row(
         "unary round trip p50",
@@ -374,10 +387,13 @@ fn plot(path: &Path, r: &Results) -> anyhow::Result<()> {
     });
     let root = BitMapBackend::new(path, (900, 560)).into_drawing_area();
     root.fill(&WHITE)?;
-    let max_ms = series
-        .iter()
-        .flat_map(|(_, p, _)| p.iter().map(|(ms, _)| *ms))
-        .fold(1.0f64, f64::max);
+    let all_ms = || {
+        series
+            .iter()
+            .flat_map(|(_, p, _)| p.iter().map(|(ms, _)| *ms))
+    };
+    let max_ms = all_ms().fold(1.0f64, f64::max);
+    let min_ms = all_ms().filter(|ms| *ms > 0.0).fold(max_ms, f64::min);
     let mut builder = ChartBuilder::on(&root);
     builder
         .margin(20)
@@ -389,7 +405,8 @@ fn plot(path: &Path, r: &Results) -> anyhow::Result<()> {
             ("sans-serif", 22),
         );
     }
-    let mut chart = builder.build_cartesian_2d((0.01f64..max_ms * 1.2).log_scale(), 0f64..1.0)?;
+    let mut chart =
+        builder.build_cartesian_2d((min_ms * 0.8..max_ms * 1.2).log_scale(), 0f64..1.0)?;
     let mut mesh = chart.configure_mesh();
     if with_text {
         mesh.x_desc("milliseconds (log)")
@@ -400,7 +417,7 @@ fn plot(path: &Path, r: &Results) -> anyhow::Result<()> {
     mesh.draw()?;
     for (label, points, color) in &series {
         let drawn = chart.draw_series(LineSeries::new(
-            points.iter().map(|(ms, f)| (ms.max(0.01), *f)),
+            points.iter().map(|(ms, f)| (ms.max(min_ms * 0.8), *f)),
             ShapeStyle::from(*color).stroke_width(2),
         ))?;
         if with_text {

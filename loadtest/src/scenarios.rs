@@ -109,10 +109,15 @@ pub struct FanoutRun {
     pub fanout: Summary,
     /// First message of subscriptions that started a watch.
     pub first_cold: Summary,
-    /// First message of subscriptions to an already-watched resource.
+    /// First message of subscriptions to an already-watched resource, all opened at once.
     pub first_warm: Summary,
+    /// First message of a lone subscription to an already-watched resource on an idle server.
+    pub first_warm_alone: Summary,
     /// A unary round trip on a warm connection (the bare server's health Check).
     pub unary: Option<Summary>,
+    /// The broker's own mean fan-out time, from its metrics: source event → last subscriber's
+    /// write. The rest of the fan-out time is the API server's watch and the client side.
+    pub internal_fanout_mean_ms: Option<f64>,
     /// Server memory before the subscribers came.
     pub rss_before_bytes: u64,
     /// Server memory with every subscriber connected and served.
@@ -309,9 +314,19 @@ async fn fanout_on(
     .await;
     let cpu = target.cpu().saturating_sub(cpu_before);
 
+    let first_warm_alone = clients::first_messages(channels[0].clone(), &name(0), 200)
+        .await
+        .summary();
     let unary = match kind {
         Kind::Bare => Some(unary_round_trips(channels[0].clone()).await),
         Kind::Broker => None,
+    };
+    let internal_fanout_mean_ms = match (
+        target.metric_sum("crd_broker_fanout_seconds_sum").await,
+        target.metric_sum("crd_broker_fanout_seconds_count").await,
+    ) {
+        (Some(sum), Some(count)) if count > 0.0 => Some(sum / count * 1000.0),
+        _ => None,
     };
     let result = FanoutRun {
         target: kind,
@@ -319,7 +334,9 @@ async fn fanout_on(
         fanout: recorder.completions().summary(),
         first_cold: recorder.first_cold.summary(),
         first_warm: recorder.first_warm.summary(),
+        first_warm_alone,
         unary,
+        internal_fanout_mean_ms,
         rss_before_bytes: rss_before,
         rss_loaded_bytes: rss_loaded,
         bytes_per_stream: rss_loaded.saturating_sub(rss_before) as f64 / subscribers as f64,
@@ -708,6 +725,20 @@ pub async fn idle(run: &Run) -> anyhow::Result<Idle> {
 pub async fn run_all(run: Run) -> anyhow::Result<()> {
     let fds = stats::raise_fd_limit();
     crate::target::broker_bin(run.broker_bin.clone())?;
+    let sockets = match run.wants("idle") {
+        true => run.sidecars.max(run.connections),
+        false => run.connections,
+    } as u64;
+    // Every connection is an open file here and in the server; the broker's watches (one per
+    // CR) and the rest need some more.
+    let needed = sockets + run.crs as u64 + 100;
+    anyhow::ensure!(
+        needed <= fds,
+        "{sockets} connections need about {} open files in this process and in the server, but \
+         the open-file limit is {fds} and cannot be raised further (it is the hard limit: raise \
+         it as root with CAP_SYS_RESOURCE, e.g. `ulimit -Hn 1048576`)",
+        needed
+    );
     let mut results = report::Results::new(&run, fds);
     if run.wants("fanout") {
         results.fanout = Some(

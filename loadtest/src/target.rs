@@ -134,6 +134,25 @@ impl Target {
         Ok(())
     }
 
+    /// The sum of every series of a counter or histogram component (e.g.
+    /// `crd_broker_fanout_seconds_sum`) on the broker's `/metrics`; `None` for the bare server or
+    /// an unreachable admin port.
+    pub async fn metric_sum(&self, name: &str) -> Option<f64> {
+        use tokio::io::AsyncReadExt;
+        let mut tcp = tokio::net::TcpStream::connect(self.admin?).await.ok()?;
+        tcp.write_all(b"GET /metrics HTTP/1.0\r\nHost: broker\r\n\r\n")
+            .await
+            .ok()?;
+        let mut text = String::new();
+        tcp.read_to_string(&mut text).await.ok()?;
+        Some(
+            text.lines()
+                .filter(|l| l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']))
+                .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+                .sum(),
+        )
+    }
+
     /// Stops it.
     pub async fn stop(mut self) {
         let _ = self.child.kill().await;

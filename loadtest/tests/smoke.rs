@@ -48,7 +48,18 @@ fn the_smoke_configuration_runs_every_scenario_and_loses_nothing() {
                 "{scenario} {target}: {run}"
             );
             assert!(run["rss_loaded_bytes"].as_u64().unwrap() > 0);
+            assert_eq!(
+                run["first_warm_alone"]["count"], 200,
+                "{scenario} {target}: every lone subscription got its first message"
+            );
         }
+        let internal = results[scenario]["broker"]["internal_fanout_mean_ms"]
+            .as_f64()
+            .unwrap();
+        assert!(
+            internal > 0.0,
+            "{scenario}: the broker's own fan-out time, from its metrics"
+        );
         let crs = results[scenario]["crs"].as_u64().unwrap();
         assert_eq!(
             results[scenario]["broker"]["open_watches"], crs,

@@ -120,7 +120,7 @@ impl<S: Source> Broker for BrokerService<S> {
         let names: Vec<String> = canonical.iter().map(ToString::to_string).collect();
         let span =
             tracing::info_span!("subscription", protocol = "native", selector = %names.join(" "));
-        let streams: Vec<_> = canonical
+        let mut streams: Vec<_> = canonical
             .iter()
             .enumerate()
             .map(|(i, selector)| {
@@ -141,7 +141,11 @@ impl<S: Source> Broker for BrokerService<S> {
                 .boxed()
             })
             .collect();
-        let merged = stream::select_all(streams);
+        // Most subscribers name one resource: skip the merge and its extra wake-up per message.
+        let merged = match streams.len() {
+            1 => streams.swap_remove(0),
+            _ => stream::select_all(streams).boxed(),
+        };
         Ok(Response::new(
             Instrumented::new(with_shutdown(merged, drain), span).boxed(),
         ))

@@ -44,6 +44,8 @@ pub(crate) async fn serve(listener: TcpListener, router: Router) {
         tokio::select! {
             accepted = listener.accept() => {
                 let Ok((stream, _)) = accepted else { continue };
+                // As Go's net/http (the real API server) does for every TCP connection.
+                let _ = stream.set_nodelay(true);
                 let service = TowerToHyperService::new(router.clone());
                 connections.spawn(async move {
                     let _ = hyper::server::conn::http1::Builder::new()
