@@ -7,6 +7,7 @@ WORKDIR /src
 COPY Cargo.toml Cargo.lock build.rs ./
 COPY proto proto
 COPY src src
+COPY benches benches
 COPY examples examples
 COPY tests/fake-apiserver tests/fake-apiserver
 COPY loadtest loadtest

@@ -42,8 +42,9 @@ pub enum Command {
     /// Subscribe to resources on a running broker and print every event.
     Subscribe(SubscribeArgs),
     /// Run as a drop-in for flagd-proxy, as the OpenFeature Operator starts it: the broker on
-    /// the Kubernetes source, gRPC on --port, admin endpoints on --management-port (every
-    /// `serve` setting can still be given through its CRD_BROKER_* variable).
+    /// the Kubernetes source serving FeatureFlags, gRPC on --port, admin endpoints on
+    /// --management-port (every `serve` setting can still be given through its CRD_BROKER_*
+    /// variable; CRD_BROKER_RESOURCE replaces the kinds served).
     Start(Start),
 }
 
@@ -227,14 +228,22 @@ impl Cli {
     }
 }
 
+/// The kind flagd-proxy serves, and `start` by default.
+const FEATURE_FLAGS: &str = "featureflags.core.openfeature.dev";
+
 impl Start {
     /// The `serve` this stands for: all interfaces on the given ports, the Kubernetes source,
-    /// every other setting from its CRD_BROKER_* variable or its default.
+    /// FeatureFlags as the kind it serves (so readiness checks the rights to list and watch
+    /// them) unless `CRD_BROKER_RESOURCE` names kinds, every other setting from its
+    /// CRD_BROKER_* variable or its default.
     pub fn serve(&self) -> anyhow::Result<Serve> {
         let mut serve = Serve::try_parse_from(["serve"])?;
         serve.grpc_addr = MaybeAddr(Some(SocketAddr::from(([0, 0, 0, 0], self.port))));
         serve.admin_addr = MaybeAddr(Some(SocketAddr::from(([0, 0, 0, 0], self.management_port))));
         serve.manifests = None;
+        if serve.resources.is_empty() {
+            serve.resources = vec![FEATURE_FLAGS.parse()?];
+        }
         Ok(serve)
     }
 }

@@ -340,36 +340,42 @@ fn free_port() -> u16 {
         .port()
 }
 
+/// `crd-broker start ARGS` on the API server behind `kubeconfig`.
+fn start_command(
+    kubeconfig: &std::path::Path,
+    args: &[&str],
+    env: &[(&str, &str)],
+) -> tokio::process::Child {
+    tokio::process::Command::new(env!("CARGO_BIN_EXE_crd-broker"))
+        .arg("start")
+        .args(args)
+        .env("KUBECONFIG", kubeconfig)
+        .envs(env.iter().copied())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap()
+}
+
 #[tokio::test]
 async fn start_runs_the_broker_as_the_operator_starts_flagd_proxy() {
-    let fake = fake_apiserver::FakeApiServer::start_with(
-        fake_apiserver::Options::default().crd_yaml(CRD).unwrap(),
-    )
-    .await
-    .unwrap();
+    let (fake, _dir, kubeconfig) = fake_with_kubeconfig().await;
     fake.apply(flag("demo", "on")).unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let kubeconfig = dir.path().join("kubeconfig");
-    fake.write_kubeconfig(&kubeconfig).unwrap();
     let (port, management) = (free_port(), free_port());
     // flagd-proxy's own spelling: `start --port N --management-port M --debug --log-format console`,
     // with the port from the PORT environment variable here.
-    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_crd-broker"))
-        .args([
-            "start",
+    let mut child = start_command(
+        &kubeconfig,
+        &[
             "--management-port",
             &management.to_string(),
             "--debug",
             "--log-format",
             "console",
-        ])
-        .env("PORT", port.to_string())
-        .env("KUBECONFIG", &kubeconfig)
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
+        ],
+        &[("PORT", &port.to_string())],
+    );
     let client = tokio::time::timeout(WAIT, async {
         loop {
             if let Ok(c) = FlagSyncServiceClient::connect(format!("http://127.0.0.1:{port}")).await
@@ -392,6 +398,55 @@ async fn start_runs_the_broker_as_the_operator_starts_flagd_proxy() {
     assert!(
         ready.starts_with("HTTP/1.1 200"),
         "the admin endpoints answer on --management-port: {ready}"
+    );
+    child.kill().await.unwrap();
+}
+
+#[tokio::test]
+async fn start_is_not_ready_without_the_rights_to_watch_featureflags() {
+    let (fake, _dir, kubeconfig) = fake_with_kubeconfig().await;
+    fake.deny(fake_apiserver::Deny {
+        verb: Some("watch".into()),
+        resource: Some("featureflags".into()),
+        ..fake_apiserver::Deny::default()
+    });
+    let (port, management) = (free_port(), free_port());
+    let mut child = start_command(
+        &kubeconfig,
+        &[
+            "--port",
+            &port.to_string(),
+            "--management-port",
+            &management.to_string(),
+        ],
+        &[("CRD_BROKER_READINESS_INTERVAL", "200ms")],
+    );
+    let named = tokio::time::timeout(WAIT, async {
+        loop {
+            if let Ok(true) = tokio::time::timeout(Duration::from_secs(1), async {
+                tokio::net::TcpStream::connect(("127.0.0.1", management))
+                    .await
+                    .is_ok()
+                    && http_get(management, "/readyz")
+                        .await
+                        .contains("may not watch featureflags")
+            })
+            .await
+            {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    assert!(named.is_ok(), "readyz names the missing right");
+    let ready = http_get(management, "/readyz").await;
+    assert!(ready.starts_with("HTTP/1.1 503"), "{ready}");
+    // --port is the gRPC port.
+    assert!(
+        tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .is_ok()
     );
     child.kill().await.unwrap();
 }

@@ -391,12 +391,14 @@ fn the_dockerfile_is_multi_stage_non_root_and_copies_what_exists() {
         .expect("a USER");
     assert!(!user.contains("root") || user.contains("nonroot"));
     assert!(user.contains("65532"), "{user}");
+    let mut copied = Vec::new();
     for line in text
         .lines()
         .filter(|l| l.starts_with("COPY ") && !l.contains("--from="))
     {
         let parts: Vec<&str> = line.split_whitespace().skip(1).collect();
         for source in &parts[..parts.len() - 1] {
+            copied.push(source.to_string());
             assert!(
                 Path::new(ROOT).join(source).exists(),
                 "the Dockerfile copies {source}, which does not exist"
@@ -411,13 +413,22 @@ fn the_dockerfile_is_multi_stage_non_root_and_copies_what_exists() {
             "the Dockerfile does not copy the workspace member {member}"
         );
     }
+    // Cargo reads every target the manifest declares, so their files must be there too.
+    for bench in &manifest.benches {
+        let file = format!("benches/{bench}.rs");
+        assert!(
+            copied.iter().any(|c| Path::new(&file).starts_with(c)),
+            "the Dockerfile does not copy {file}, which Cargo.toml declares"
+        );
+    }
     assert!(text.contains("ENTRYPOINT [\"/usr/local/bin/crd-broker\"]"));
 }
 
-/// Just enough TOML reading for the workspace's member list.
+/// Just enough TOML reading for the workspace's member list and the declared benchmarks.
 mod toml_value {
     pub struct Manifest {
         pub members: Vec<String>,
+        pub benches: Vec<String>,
     }
 
     pub fn read(path: &std::path::Path) -> Manifest {
@@ -427,7 +438,19 @@ mod toml_value {
             .find(|l| l.trim_start().starts_with("members"))
             .expect("a members line");
         let list = line.split_once('[').unwrap().1.split_once(']').unwrap().0;
+        // The `name` following each `[[bench]]` header.
+        let benches = text
+            .split("[[bench]]")
+            .skip(1)
+            .filter_map(|section| {
+                let line = section
+                    .lines()
+                    .find(|l| l.trim_start().starts_with("name"))?;
+                Some(line.split_once('=')?.1.trim().trim_matches('"').to_string())
+            })
+            .collect();
         Manifest {
+            benches,
             members: list
                 .split(',')
                 .map(|m| m.trim().trim_matches('"').to_string())

@@ -588,86 +588,14 @@ async fn a_unix_socket_serves_alongside_tcp() {
     assert!(!path.exists(), "the socket file is removed at exit");
 }
 
-struct Pki {
-    ca: String,
-    server_cert: String,
-    server_key: String,
-    client_cert: String,
-    client_key: String,
-}
-
-fn pki(name: &str) -> Pki {
-    use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair};
-    let ca_key = KeyPair::generate().unwrap();
-    let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
-    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    ca_params
-        .distinguished_name
-        .push(DnType::CommonName, format!("{name} CA"));
-    let ca = ca_params.self_signed(&ca_key).unwrap();
-    let issuer = Issuer::new(ca_params, ca_key);
-    let leaf = |sans: Vec<String>| {
-        let key = KeyPair::generate().unwrap();
-        let cert = CertificateParams::new(sans)
-            .unwrap()
-            .signed_by(&key, &issuer)
-            .unwrap();
-        (cert.pem(), key.serialize_pem())
-    };
-    let (server_cert, server_key) = leaf(vec!["localhost".into(), "127.0.0.1".into()]);
-    let (client_cert, client_key) = leaf(vec!["client.example".into()]);
-    Pki {
-        ca: ca.pem(),
-        server_cert,
-        server_key,
-        client_cert,
-        client_key,
-    }
-}
-
-async fn tls_client(
-    addr: std::net::SocketAddr,
-    pki: &Pki,
-    with_cert: bool,
-) -> Result<
-    crd_broker::pb::broker_client::BrokerClient<tonic::transport::Channel>,
-    tonic::transport::Error,
-> {
-    use tonic::transport::{Certificate, ClientTlsConfig, Identity};
-    let mut tls = ClientTlsConfig::new()
-        .ca_certificate(Certificate::from_pem(&pki.ca))
-        .domain_name("localhost");
-    if with_cert {
-        tls = tls.identity(Identity::from_pem(&pki.client_cert, &pki.client_key));
-    }
-    let channel = tonic::transport::Endpoint::from_shared(format!("https://{addr}"))
-        .unwrap()
-        .tls_config(tls)?
-        .connect()
-        .await?;
-    Ok(crd_broker::pb::broker_client::BrokerClient::new(channel))
-}
-
 #[tokio::test]
 async fn mtls_with_certificates_reloaded_without_dropping_connections() {
     use crd_broker::tls::{Tls, TlsFiles};
     let fake = fake().await;
     fake.apply(flag("demo", "on")).unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let write = |pki: &Pki| {
-        // Replace, as a certificate manager's rename does.
-        for (name, text) in [
-            ("tls.crt", &pki.server_cert),
-            ("tls.key", &pki.server_key),
-            ("ca.crt", &pki.ca),
-        ] {
-            let tmp = dir.path().join(format!(".{name}"));
-            std::fs::write(&tmp, text).unwrap();
-            std::fs::rename(&tmp, dir.path().join(name)).unwrap();
-        }
-    };
     let first = pki("first");
-    write(&first);
+    write_tls_files(dir.path(), &first);
     let files = TlsFiles {
         cert: dir.path().join("tls.crt"),
         key: dir.path().join("tls.key"),
@@ -681,53 +609,29 @@ async fn mtls_with_certificates_reloaded_without_dropping_connections() {
     };
     let broker = broker_with(&fake, listeners, fast(), vec![]);
 
-    let mut client = tls_client(broker.addr, &first, true).await.unwrap();
-    let mut s = client
-        .subscribe(request(&[&demo("demo")]))
-        .await
-        .unwrap()
-        .into_inner();
+    let mut s = tls_demo_stream(broker.addr, &first).await;
     assert_eq!(next(&mut s).await.event(), Event::Snapshot);
     // Without a client certificate: refused.
-    let anonymous = match tls_client(broker.addr, &first, false).await {
-        Ok(mut c) => c
-            .subscribe(request(&[&demo("demo")]))
-            .await
-            .map(|_| ())
-            .unwrap_err()
-            .code(),
-        Err(_) => Code::Unavailable,
-    };
-    assert_ne!(anonymous, Code::Ok);
+    assert!(
+        refused(broker.addr, &first, false).await,
+        "a client without a certificate is refused"
+    );
     let plain = connect_plain(broker.addr).await;
     assert!(plain.is_err(), "plaintext is refused on a TLS listener");
 
     // Rotate to a new CA and certificates.
     let second = pki("second");
-    write(&second);
+    write_tls_files(dir.path(), &second);
     assert!(tls.reload_if_changed(), "the new files are loaded");
     // The open connection is untouched: it keeps receiving.
     fake.merge_patch(GV, "featureflags", "default", "demo", variant_patch("off"))
         .unwrap();
     assert!(is(&next(&mut s).await, Event::Updated, "off"));
     // New connections use the new certificates; the old CA no longer works.
-    let mut rotated = tls_client(broker.addr, &second, true).await.unwrap();
-    let mut r = rotated
-        .subscribe(request(&[&demo("demo")]))
-        .await
-        .unwrap()
-        .into_inner();
+    let mut r = tls_demo_stream(broker.addr, &second).await;
     assert!(is(&next(&mut r).await, Event::Snapshot, "off"));
-    let stale = match tls_client(broker.addr, &first, true).await {
-        Ok(mut c) => c
-            .subscribe(request(&[&demo("demo")]))
-            .await
-            .map(|_| ())
-            .is_err(),
-        Err(_) => true,
-    };
     assert!(
-        stale,
+        refused(broker.addr, &first, true).await,
         "a client trusting only the old CA cannot connect any more"
     );
 }

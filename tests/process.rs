@@ -93,18 +93,6 @@ async fn try_get(addr: SocketAddr, path: &str) -> std::io::Result<(u16, String)>
     Ok(http_get(addr, path).await)
 }
 
-async fn fake_with_kubeconfig() -> (
-    fake_apiserver::FakeApiServer,
-    tempfile::TempDir,
-    std::path::PathBuf,
-) {
-    let fake = fake().await;
-    let dir = tempfile::tempdir().unwrap();
-    let kubeconfig = dir.path().join("kubeconfig");
-    fake.write_kubeconfig(&kubeconfig).unwrap();
-    (fake, dir, kubeconfig)
-}
-
 async fn health_watch(addr: SocketAddr) -> tonic::Streaming<tonic_health::pb::HealthCheckResponse> {
     let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
         .unwrap()
@@ -511,4 +499,57 @@ async fn replicas_share_subscribers_fail_over_and_a_new_one_takes_its_share() {
     for c in clients {
         c.abort();
     }
+}
+
+#[tokio::test]
+async fn tls_flags_serve_mtls_and_pick_up_rotated_files_by_themselves() {
+    let (fake, _dir, kubeconfig) = fake_with_kubeconfig().await;
+    fake.apply(flag("demo", "on")).unwrap();
+    let certs = tempfile::tempdir().unwrap();
+    let first = pki("first");
+    write_tls_files(certs.path(), &first);
+    let path = |name: &str| certs.path().join(name).display().to_string();
+    let broker = spawn(
+        &kubeconfig,
+        &[
+            "--tls-cert",
+            &path("tls.crt"),
+            "--tls-key",
+            &path("tls.key"),
+            "--tls-client-ca",
+            &path("ca.crt"),
+            "--tls-reload-interval",
+            "100ms",
+        ],
+        &[],
+    )
+    .await;
+    let mut s = tls_demo_stream(broker.grpc, &first).await;
+    assert!(is(&next(&mut s).await, Event::Snapshot, "on"));
+    assert!(
+        refused(broker.grpc, &first, false).await,
+        "a client without a certificate is refused"
+    );
+
+    // Rotate the files and do nothing else: the broker notices by itself.
+    let second = pki("second");
+    write_tls_files(certs.path(), &second);
+    let rotated = tokio::time::timeout(WAIT, async {
+        loop {
+            if let Ok(mut c) = tls_client(broker.grpc, &second, true).await
+                && let Ok(r) = c.subscribe(request(&[&demo("demo")])).await
+            {
+                return r.into_inner();
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    let mut r = rotated.expect("clients of the new CA are served within the wait");
+    assert!(is(&next(&mut r).await, Event::Snapshot, "on"));
+    // The connection made before the rotation keeps its stream.
+    fake.merge_patch(GV, "featureflags", "default", "demo", variant_patch("off"))
+        .unwrap();
+    assert!(is(&next(&mut s).await, Event::Updated, "off"));
+    assert!(is(&next(&mut r).await, Event::Updated, "off"));
 }

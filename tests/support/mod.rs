@@ -88,6 +88,15 @@ pub async fn fake() -> FakeApiServer {
         .expect("the fake starts")
 }
 
+/// [`fake`], with a kubeconfig for it in a temporary directory (for broker processes).
+pub async fn fake_with_kubeconfig() -> (FakeApiServer, tempfile::TempDir, std::path::PathBuf) {
+    let fake = fake().await;
+    let dir = tempfile::tempdir().unwrap();
+    let kubeconfig = dir.path().join("kubeconfig");
+    fake.write_kubeconfig(&kubeconfig).unwrap();
+    (fake, dir, kubeconfig)
+}
+
 /// A plain HTTP/1.1 GET on loopback: the status code and the body.
 pub async fn http_get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -216,4 +225,104 @@ pub fn variant(r: &pb::SubscribeResponse) -> String {
 
 pub fn is(r: &pb::SubscribeResponse, event: Event, variant_wanted: &str) -> bool {
     r.event() == event && variant(r) == variant_wanted
+}
+
+/// A CA with a server certificate (localhost, 127.0.0.1) and a client certificate, as PEM.
+pub struct Pki {
+    pub ca: String,
+    pub server_cert: String,
+    pub server_key: String,
+    pub client_cert: String,
+    pub client_key: String,
+}
+
+/// A fresh PKI whose CA is named after `name`.
+pub fn pki(name: &str) -> Pki {
+    use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair};
+    let ca_key = KeyPair::generate().unwrap();
+    let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    ca_params
+        .distinguished_name
+        .push(DnType::CommonName, format!("{name} CA"));
+    let ca = ca_params.self_signed(&ca_key).unwrap();
+    let issuer = Issuer::new(ca_params, ca_key);
+    let leaf = |sans: Vec<String>| {
+        let key = KeyPair::generate().unwrap();
+        let cert = CertificateParams::new(sans)
+            .unwrap()
+            .signed_by(&key, &issuer)
+            .unwrap();
+        (cert.pem(), key.serialize_pem())
+    };
+    let (server_cert, server_key) = leaf(vec!["localhost".into(), "127.0.0.1".into()]);
+    let (client_cert, client_key) = leaf(vec!["client.example".into()]);
+    Pki {
+        ca: ca.pem(),
+        server_cert,
+        server_key,
+        client_cert,
+        client_key,
+    }
+}
+
+/// A Broker client over TLS trusting `pki`'s CA, with its client certificate if `with_cert`.
+pub async fn tls_client(
+    addr: std::net::SocketAddr,
+    pki: &Pki,
+    with_cert: bool,
+) -> Result<
+    crd_broker::pb::broker_client::BrokerClient<tonic::transport::Channel>,
+    tonic::transport::Error,
+> {
+    use tonic::transport::{Certificate, ClientTlsConfig, Identity};
+    let mut tls = ClientTlsConfig::new()
+        .ca_certificate(Certificate::from_pem(&pki.ca))
+        .domain_name("localhost");
+    if with_cert {
+        tls = tls.identity(Identity::from_pem(&pki.client_cert, &pki.client_key));
+    }
+    let channel = tonic::transport::Endpoint::from_shared(format!("https://{addr}"))
+        .unwrap()
+        .tls_config(tls)?
+        .connect()
+        .await?;
+    Ok(crd_broker::pb::broker_client::BrokerClient::new(channel))
+}
+
+/// A Subscribe stream to `default/demo` over TLS as a client of `pki`, with its certificate.
+pub async fn tls_demo_stream(
+    addr: std::net::SocketAddr,
+    pki: &Pki,
+) -> Streaming<pb::SubscribeResponse> {
+    tls_client(addr, pki, true)
+        .await
+        .unwrap()
+        .subscribe(request(&[&demo("demo")]))
+        .await
+        .unwrap()
+        .into_inner()
+}
+
+/// Whether a TLS client of `pki` (with its client certificate if `with_cert`) is refused, at
+/// the handshake or on its first call.
+pub async fn refused(addr: std::net::SocketAddr, pki: &Pki, with_cert: bool) -> bool {
+    match tls_client(addr, pki, with_cert).await {
+        Ok(mut c) => c.subscribe(request(&[&demo("demo")])).await.is_err(),
+        Err(_) => true,
+    }
+}
+
+/// Writes `pki`'s server files into `dir` as `tls.crt`, `tls.key` and `ca.crt` (the client CA),
+/// each replaced by a rename, as a certificate manager does.
+pub fn write_tls_files(dir: &std::path::Path, pki: &Pki) {
+    for (name, text) in [
+        ("tls.crt", &pki.server_cert),
+        ("tls.key", &pki.server_key),
+        ("ca.crt", &pki.ca),
+    ] {
+        let tmp = dir.join(format!(".{name}"));
+        std::fs::write(&tmp, text).unwrap();
+        std::fs::rename(&tmp, dir.join(name)).unwrap();
+    }
 }
