@@ -54,6 +54,33 @@ async fn fake(crs: usize, payload: usize) -> anyhow::Result<(FakeApiServer, temp
     Ok((fake, dir))
 }
 
+/// The fake API server with `crs` FeatureFlags and the server under test: the broker watching
+/// it (through a kubeconfig in the returned directory, with `linger`), or the bare server fed
+/// every FeatureFlag.
+async fn serve(
+    run: &Run,
+    kind: Kind,
+    crs: usize,
+    linger: Duration,
+) -> anyhow::Result<(FakeApiServer, tempfile_like::Dir, Target)> {
+    let (fake, dir) = fake(crs, run.payload_bytes).await?;
+    let target = match kind {
+        Kind::Broker => {
+            let bin = crate::target::broker_bin(run.broker_bin.clone())?;
+            Target::broker(&bin, &dir.path().join("kubeconfig"), linger).await?
+        }
+        Kind::Bare => {
+            let mut t = Target::bare().await?;
+            for k in 0..crs {
+                let obj = fake.get(GV, "featureflags", "default", &name(k))?;
+                t.feed(&name(k), &obj.to_string()).await?;
+            }
+            t
+        }
+    };
+    Ok((fake, dir, target))
+}
+
 fn flag(name: &str, payload: usize) -> Value {
     let mut f = json!({
         "apiVersion": GV,
@@ -208,26 +235,7 @@ async fn fanout_on(
     connections: usize,
     crs: usize,
 ) -> anyhow::Result<FanoutRun> {
-    let (fake, dir) = fake(crs, run.payload_bytes).await?;
-    let bin = crate::target::broker_bin(run.broker_bin.clone())?;
-    let mut target = match kind {
-        Kind::Broker => {
-            Target::broker(
-                &bin,
-                &dir.path().join("kubeconfig"),
-                Duration::from_secs(30),
-            )
-            .await?
-        }
-        Kind::Bare => {
-            let mut t = Target::bare().await?;
-            for k in 0..crs {
-                let obj = fake.get(GV, "featureflags", "default", &name(k))?;
-                t.feed(&name(k), &obj.to_string()).await?;
-            }
-            t
-        }
-    };
+    let (fake, _dir, mut target) = serve(run, kind, crs, Duration::from_secs(30)).await?;
     tokio::time::sleep(Duration::from_millis(300)).await;
     let rss_before = target.rss();
     let channels = clients::connections(target.grpc, connections, run.sources).await?;
@@ -410,14 +418,7 @@ pub struct Storm {
 
 /// Runs the storm.
 pub async fn storm(run: &Run) -> anyhow::Result<Storm> {
-    let (fake, dir) = fake(run.crs, run.payload_bytes).await?;
-    let bin = crate::target::broker_bin(run.broker_bin.clone())?;
-    let target = Target::broker(
-        &bin,
-        &dir.path().join("kubeconfig"),
-        Duration::from_secs(30),
-    )
-    .await?;
+    let (fake, _dir, target) = serve(run, Kind::Broker, run.crs, Duration::from_secs(30)).await?;
     let channels = clients::connections(target.grpc, run.connections, run.sources).await?;
     fake.clear_requests();
     let n = run.subscribers;
@@ -496,10 +497,8 @@ pub struct Churn {
 /// Runs the churn.
 pub async fn churn(run: &Run) -> anyhow::Result<Churn> {
     let crs = run.crs;
-    let (fake, dir) = fake(crs, run.payload_bytes).await?;
-    let bin = crate::target::broker_bin(run.broker_bin.clone())?;
     let linger = Duration::from_secs(1);
-    let target = Target::broker(&bin, &dir.path().join("kubeconfig"), linger).await?;
+    let (fake, _dir, target) = serve(run, Kind::Broker, crs, linger).await?;
     let channels =
         clients::connections(target.grpc, (run.connections / 10).max(1), run.sources).await?;
     let active = run.churn_subscribers;
@@ -641,26 +640,7 @@ pub struct Idle {
 
 async fn idle_on(run: &Run, kind: Kind) -> anyhow::Result<IdleRun> {
     let crs = run.crs;
-    let (fake, dir) = fake(crs, run.payload_bytes).await?;
-    let bin = crate::target::broker_bin(run.broker_bin.clone())?;
-    let target = match kind {
-        Kind::Broker => {
-            Target::broker(
-                &bin,
-                &dir.path().join("kubeconfig"),
-                Duration::from_secs(30),
-            )
-            .await?
-        }
-        Kind::Bare => {
-            let mut t = Target::bare().await?;
-            for k in 0..crs {
-                let obj = fake.get(GV, "featureflags", "default", &name(k))?;
-                t.feed(&name(k), &obj.to_string()).await?;
-            }
-            t
-        }
-    };
+    let (fake, _dir, target) = serve(run, kind, crs, Duration::from_secs(30)).await?;
     // Warm every watch first, so the measurement is the sidecars' own cost.
     let warm = clients::connections(target.grpc, 1, 1).await?;
     let recorder = Recorder::new(crs, 0);
