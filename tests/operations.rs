@@ -462,11 +462,7 @@ async fn at_its_age_a_connection_gets_goaway_its_streams_end_unavailable_and_it_
         .unwrap();
     let opened = tokio::time::Instant::now();
     let mut client = crd_broker::pb::broker_client::BrokerClient::new(channel.clone());
-    let mut s = client
-        .subscribe(request(&[&demo("demo")]))
-        .await
-        .unwrap()
-        .into_inner();
+    let mut s = subscribe(&mut client, &[&demo("demo")]).await;
     next(&mut s).await;
     // A stream that knows nothing of the drain: health Watch, on the same connection.
     let mut health = HealthClient::new(channel.clone());
@@ -517,11 +513,7 @@ async fn at_its_age_a_connection_gets_goaway_its_streams_end_unavailable_and_it_
     );
 
     // The client reconnects by itself: a new subscription works.
-    let mut again = client
-        .subscribe(request(&[&demo("demo")]))
-        .await
-        .unwrap()
-        .into_inner();
+    let mut again = subscribe(&mut client, &[&demo("demo")]).await;
     assert_eq!(next(&mut again).await.event(), Event::Snapshot);
 }
 
@@ -541,11 +533,7 @@ async fn client_pings_every_100ms_are_permitted() {
         .await
         .unwrap();
     let mut client = crd_broker::pb::broker_client::BrokerClient::new(channel);
-    let mut s = client
-        .subscribe(request(&[&demo("demo")]))
-        .await
-        .unwrap()
-        .into_inner();
+    let mut s = subscribe(&mut client, &[&demo("demo")]).await;
     next(&mut s).await;
     tokio::time::sleep(Duration::from_secs(3)).await;
     fake.merge_patch(GV, "featureflags", "default", "demo", variant_patch("off"))
@@ -574,11 +562,7 @@ async fn a_unix_socket_serves_alongside_tcp() {
         .await
         .unwrap();
     let mut client = crd_broker::pb::broker_client::BrokerClient::new(channel);
-    let mut s = client
-        .subscribe(request(&[&demo("demo")]))
-        .await
-        .unwrap()
-        .into_inner();
+    let mut s = subscribe(&mut client, &[&demo("demo")]).await;
     assert_eq!(next(&mut s).await.event(), Event::Snapshot);
     let mut tcp = connect(broker.addr).await;
     let mut t = subscribe(&mut tcp, &[&demo("demo")]).await;

@@ -132,11 +132,7 @@ async fn sigterm_drains_a_real_process_under_load() {
             .unwrap();
         for _ in 0..10 {
             let mut client = crd_broker::pb::broker_client::BrokerClient::new(channel.clone());
-            let mut s = client
-                .subscribe(request(&[&demo("demo")]))
-                .await
-                .unwrap()
-                .into_inner();
+            let mut s = subscribe(&mut client, &[&demo("demo")]).await;
             let (endings, received) = (endings.clone(), received.clone());
             readers.push(tokio::spawn(async move {
                 loop {

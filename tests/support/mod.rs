@@ -295,13 +295,8 @@ pub async fn tls_demo_stream(
     addr: std::net::SocketAddr,
     pki: &Pki,
 ) -> Streaming<pb::SubscribeResponse> {
-    tls_client(addr, pki, true)
-        .await
-        .unwrap()
-        .subscribe(request(&[&demo("demo")]))
-        .await
-        .unwrap()
-        .into_inner()
+    let mut client = tls_client(addr, pki, true).await.unwrap();
+    subscribe(&mut client, &[&demo("demo")]).await
 }
 
 /// Whether a TLS client of `pki` (with its client certificate if `with_cert`) is refused, at
