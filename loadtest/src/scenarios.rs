@@ -284,11 +284,11 @@ async fn fanout_on(
         let due = started + Duration::from_secs_f64(seq as f64 / run.rate);
         tokio::time::sleep_until(due.into()).await;
         let k = seq % crs;
-        let sent = now_nanos();
-        let patch = json!({ "spec": { "flagSpec": { "metadata": { "seq": seq, "sentAt": if kind == Kind::Broker { sent } else { 0 } } } } });
-        let mut obj = fake.merge_patch(GV, "featureflags", "default", &name(k), patch)?;
+        // Both clocks start at the API write: the broker learns of it from its watch, the
+        // bare server from the harness once the write has returned.
+        let patch = json!({ "spec": { "flagSpec": { "metadata": { "seq": seq, "sentAt": now_nanos() } } } });
+        let obj = fake.merge_patch(GV, "featureflags", "default", &name(k), patch)?;
         if kind == Kind::Bare {
-            obj["spec"]["flagSpec"]["metadata"]["sentAt"] = json!(now_nanos());
             target.feed(&name(k), &obj.to_string()).await?;
         }
         last_seq[k] = seq as u64;

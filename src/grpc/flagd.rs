@@ -11,7 +11,7 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use futures::stream::{self, BoxStream, Stream, StreamExt};
+use futures::stream::{BoxStream, StreamExt};
 use prost::Message;
 use serde_json::Value;
 use tokio_util::sync::CancellationToken;
@@ -19,7 +19,8 @@ use tonic::metadata::MetadataMap;
 use tonic::{Request, Response, Status};
 
 use super::frame::Encoded;
-use super::{Delivery, Instrumented, drain_of, shutting_down, source_status, with_shutdown};
+use super::messages::{Messages, Next};
+use super::{Delivery, drain_of, shutting_down, source_status};
 use crate::pb::{flagd, legacy};
 use crate::registry::{Registry, State, Subscription, Wire};
 use crate::selector::{KindRef, Selector};
@@ -192,8 +193,8 @@ impl<S: Source> FlagdCore<S> {
             subscription.cold,
         );
         let name = flag_name(&canonical);
-        let configs = configurations(protocol, name, self.limit, subscription, delivery);
-        Ok(Instrumented::new(with_shutdown(configs, drain), span).boxed())
+        let next = configurations(protocol, name, self.limit, delivery, span.clone());
+        Ok(Messages::new(subscription, drain, span, next).boxed())
     }
 
     async fn fetch(&self, metadata: &MetadataMap, body: &str) -> Result<String, Status> {
@@ -251,56 +252,33 @@ fn configurations(
     protocol: Protocol,
     name: String,
     limit: usize,
-    subscription: Subscription,
-    delivery: Delivery,
-) -> impl Stream<Item = Result<Encoded, Status>> + Send + 'static {
-    stream::unfold(
-        (subscription, None::<u64>, false, delivery),
-        move |(mut sub, mut last, done, mut delivery)| {
-            let name = name.clone();
-            async move {
-                if done {
-                    return None;
-                }
-                loop {
-                    let state = sub.current();
-                    let wire = match &state {
-                        State::Pending => None,
-                        State::Failed(e) if last.is_none() => {
-                            return Some((Err(source_status(0, e)), (sub, last, true, delivery)));
-                        }
-                        State::Failed(_) => None,
-                        State::Present(u) => Some(u.wire(protocol.slot(), |o| {
-                            protocol.encode(flag_configuration(&o.json))
-                        })),
-                        State::Absent { .. } => {
-                            Some(Wire::new(protocol.encode(NO_FLAGS.to_string())))
-                        }
-                    };
-                    if let Some(wire) = wire
-                        && last != Some(wire.digest)
-                    {
-                        if wire.bytes.len() > limit {
-                            return Some((
-                                Err(too_large(&name, wire.bytes.len(), limit)),
-                                (sub, last, true, delivery),
-                            ));
-                        }
-                        last = Some(wire.digest);
-                        let update = match &state {
-                            State::Present(u) => Some(u.as_ref()),
-                            _ => None,
-                        };
-                        delivery.sent(update);
-                        return Some((Ok(Encoded(wire.bytes)), (sub, last, false, delivery)));
-                    }
-                    if !sub.changed().await {
-                        return Some((Err(shutting_down()), (sub, last, true, delivery)));
-                    }
-                }
-            }
-        },
-    )
+    mut delivery: Delivery,
+    span: tracing::Span,
+) -> impl FnMut(&State) -> Next<Encoded> + Send + Unpin + 'static {
+    let mut last = None::<u64>;
+    move |state| {
+        let wire = match state {
+            State::Pending => return Next::Wait,
+            State::Failed(e) if last.is_none() => return Next::Fail(source_status(0, e)),
+            State::Failed(_) => return Next::Wait,
+            State::Present(u) => u.wire(protocol.slot(), |o| {
+                protocol.encode(flag_configuration(&o.json))
+            }),
+            State::Absent { .. } => Wire::new(protocol.encode(NO_FLAGS.to_string())),
+        };
+        if last == Some(wire.digest) {
+            return Next::Wait;
+        }
+        if wire.bytes.len() > limit {
+            return Next::Fail(span.in_scope(|| too_large(&name, wire.bytes.len(), limit)));
+        }
+        last = Some(wire.digest);
+        delivery.sent(match state {
+            State::Present(u) => Some(u.as_ref()),
+            _ => None,
+        });
+        Next::Send(Encoded(wire.bytes))
+    }
 }
 
 /// `flagd.sync.v1.FlagSyncService`.

@@ -12,7 +12,7 @@ use tonic::{Request, Response, Status};
 use crate::pb;
 use crate::pb::broker_server::{Broker, BrokerServer};
 use crate::pb::subscribe_response::Event;
-use crate::registry::{Registry, State, Subscription, Update};
+use crate::registry::{Registry, State, Update};
 use crate::selector::{KindRef, ParseError, Selector};
 use crate::server::ConnDrain;
 use crate::source::{Source, SourceError};
@@ -22,8 +22,10 @@ use crate::telemetry::{
 
 pub mod flagd;
 pub mod frame;
+mod messages;
 
 use frame::Frame;
+use messages::{Messages, Next};
 
 /// The most resources one Subscribe may name.
 pub const MAX_RESOURCES: usize = 100;
@@ -132,23 +134,17 @@ impl<S: Source> Broker for BrokerService<S> {
                     started,
                     subscription.cold,
                 );
-                resource_stream(
-                    i as u32,
-                    Arc::from(selector.to_string()),
-                    subscription,
-                    delivery,
-                )
-                .boxed()
+                let next = native_messages(i as u32, Arc::from(selector.to_string()), delivery);
+                Messages::new(subscription, drain.clone(), span.clone(), next).boxed()
             })
             .collect();
         // Most subscribers name one resource: skip the merge and its extra wake-up per message.
         let merged = match streams.len() {
             1 => streams.swap_remove(0),
-            _ => stream::select_all(streams).boxed(),
+            // Each part ends itself at the drain; the whole ends at the first error of any.
+            _ => until_error(stream::select_all(streams)).boxed(),
         };
-        Ok(Response::new(
-            Instrumented::new(with_shutdown(merged, drain), span).boxed(),
-        ))
+        Ok(Response::new(merged))
     }
 }
 
@@ -160,34 +156,6 @@ pub(crate) fn drain_of<T>(request: &Request<T>, shutdown: &CancellationToken) ->
         .get::<ConnDrain>()
         .map(|d| d.0.clone())
         .unwrap_or_else(|| shutdown.clone())
-}
-
-/// A stream whose polls run inside a span: the span lasts as long as the subscription.
-pub(crate) struct Instrumented<T> {
-    inner: BoxStream<'static, T>,
-    span: tracing::Span,
-}
-
-impl<T> Instrumented<T> {
-    pub(crate) fn new(inner: impl Stream<Item = T> + Send + 'static, span: tracing::Span) -> Self {
-        Instrumented {
-            inner: inner.boxed(),
-            span,
-        }
-    }
-}
-
-impl<T> Stream for Instrumented<T> {
-    type Item = T;
-
-    fn poll_next(
-        mut self: Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Option<T>> {
-        let this = &mut *self;
-        let _entered = this.span.enter();
-        this.inner.poll_next_unpin(cx)
-    }
 }
 
 /// One subscriber's view of one resource, for the metrics: counted in the subscriber gauge
@@ -251,19 +219,6 @@ impl Drop for Delivery {
     fn drop(&mut self) {
         self.metrics.subscribers.get_or_create(&self.labels).dec();
     }
-}
-
-/// A response stream that ends with UNAVAILABLE when `shutdown` is cancelled — never with OK,
-/// which some clients never notice — and ends after its first error.
-pub(crate) fn with_shutdown<T: Send + 'static>(
-    s: impl Stream<Item = Result<T, Status>> + Send + 'static,
-    shutdown: CancellationToken,
-) -> impl Stream<Item = Result<T, Status>> + Send + 'static {
-    let ended = stream::once(async move {
-        shutdown.cancelled().await;
-        Err(shutting_down())
-    });
-    until_error(stream::select(s, ended))
 }
 
 /// Ends a stream after its first error (tonic stops there too; this makes it explicit).
@@ -330,57 +285,35 @@ pub(crate) fn step(sent: &Sent, state: &State) -> Step {
     }
 }
 
-/// The events about one resource for one subscriber: its state at once, then each change.
-fn resource_stream(
+/// What a native subscriber is sent about one resource: its state at once, then each change.
+fn native_messages(
     index: u32,
     selector: Arc<str>,
-    subscription: Subscription,
-    delivery: Delivery,
-) -> impl Stream<Item = Result<Frame, Status>> + Send + 'static {
-    let state = (subscription, Sent::Nothing, false, delivery);
-    stream::unfold(state, move |(mut sub, mut sent, done, mut delivery)| {
-        let selector = selector.clone();
-        async move {
-            if done {
-                return None;
-            }
-            loop {
-                let frame = match step(&sent, &sub.current()) {
-                    Step::Skip => None,
-                    Step::Fail(error) => {
-                        return Some((
-                            Err(source_status(index as usize, &error)),
-                            (sub, sent, true, delivery),
-                        ));
-                    }
-                    Step::Send(event, update) => {
-                        delivery.sent(update.as_deref());
-                        let shared = match &update {
-                            Some(u) => {
-                                u.wire(NATIVE_WIRE, |o| frame::encode_object(&selector, o))
-                                    .bytes
-                            }
-                            None => frame::encode_absent(&selector),
-                        };
-                        sent = match (event, update) {
-                            (Event::Deleted | Event::Absent, _) => Sent::Absent,
-                            (_, Some(u)) => Sent::Present(u),
-                            (_, None) => Sent::Absent,
-                        };
-                        Some(Frame {
-                            index,
-                            event,
-                            shared,
-                        })
-                    }
-                };
-                if let Some(frame) = frame {
-                    return Some((Ok(frame), (sub, sent, false, delivery)));
+    mut delivery: Delivery,
+) -> impl FnMut(&State) -> Next<Frame> + Send + Unpin + 'static {
+    let mut sent = Sent::Nothing;
+    move |state| match step(&sent, state) {
+        Step::Skip => Next::Wait,
+        Step::Fail(error) => Next::Fail(source_status(index as usize, &error)),
+        Step::Send(event, update) => {
+            delivery.sent(update.as_deref());
+            let shared = match &update {
+                Some(u) => {
+                    u.wire(NATIVE_WIRE, |o| frame::encode_object(&selector, o))
+                        .bytes
                 }
-                if !sub.changed().await {
-                    return Some((Err(shutting_down()), (sub, sent, true, delivery)));
-                }
-            }
+                None => frame::encode_absent(&selector),
+            };
+            sent = match (event, update) {
+                (Event::Deleted | Event::Absent, _) => Sent::Absent,
+                (_, Some(u)) => Sent::Present(u),
+                (_, None) => Sent::Absent,
+            };
+            Next::Send(Frame {
+                index,
+                event,
+                shared,
+            })
         }
-    })
+    }
 }
