@@ -21,6 +21,7 @@ pub mod admin;
 pub mod config;
 pub mod grpc;
 pub mod health;
+pub mod on_wake;
 pub mod registry;
 pub mod selector;
 pub mod server;

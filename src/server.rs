@@ -30,6 +30,7 @@ use tokio_util::task::TaskTracker;
 use crate::grpc::BrokerService;
 use crate::grpc::flagd::{FlagdCore, FlagdService, LegacyService};
 use crate::health::Readiness;
+use crate::on_wake::OnWake;
 use crate::pb::flagd::flag_sync_service_server::FlagSyncServiceServer;
 use crate::pb::legacy::flag_sync_service_server::FlagSyncServiceServer as LegacyServer;
 use crate::registry::Registry;
@@ -340,19 +341,31 @@ async fn serve_connection(
     let conn = builder.serve_connection(TokioIo::new(io), TowerToHyperService::new(service));
     tokio::pin!(conn);
     let age = ctx.config.max_connection_age.map(jittered);
-    let aged = async {
-        match age {
-            Some(age) => tokio::time::sleep(age).await,
-            None => std::future::pending().await,
+    let (age_grace, shutdown_grace) = (
+        ctx.config.max_connection_age_grace,
+        ctx.config.shutdown_grace,
+    );
+    let draining = drain.clone();
+    // The connection's task wakes for every frame it writes; the end is only looked at when it
+    // has woken (OnWake), not on each of those.
+    let mut ending = OnWake::new(async move {
+        let aged = async {
+            match age {
+                Some(age) => tokio::time::sleep(age).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            _ = aged => {
+                tracing::debug!(?age, "connection reached its maximum age: GOAWAY");
+                age_grace
+            }
+            _ = draining.cancelled() => shutdown_grace,
         }
-    };
+    });
     let grace = tokio::select! {
         _ = conn.as_mut() => return,
-        _ = aged => {
-            tracing::debug!(?age, "connection reached its maximum age: GOAWAY");
-            ctx.config.max_connection_age_grace
-        }
-        _ = drain.cancelled() => ctx.config.shutdown_grace,
+        grace = &mut ending => grace,
     };
     // GOAWAY, then end this connection's streams so clients move on; close it at the grace.
     conn.as_mut().graceful_shutdown();

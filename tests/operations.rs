@@ -385,13 +385,41 @@ async fn reflection_lists_and_describes_the_services() {
     ] {
         assert!(services.iter().any(|s| s == name), "{name} in {services:?}");
     }
-    for _ in 0..2 {
-        match responses.message().await.unwrap().unwrap().message_response {
-            Some(MessageResponse::FileDescriptorResponse(f)) => {
-                assert!(!f.file_descriptor_proto.is_empty())
-            }
+    // What a client such as grpcurl needs to call a method it has never seen: the service, its
+    // methods, their message types and that they stream.
+    for (service, method, input) in [
+        ("Broker", "Subscribe", ".crdbroker.v1.SubscribeRequest"),
+        (
+            "FlagSyncService",
+            "SyncFlags",
+            ".flagd.sync.v1.SyncFlagsRequest",
+        ),
+    ] {
+        let files = match responses.message().await.unwrap().unwrap().message_response {
+            Some(MessageResponse::FileDescriptorResponse(f)) => f.file_descriptor_proto,
             other => panic!("{other:?}"),
-        }
+        };
+        let files: Vec<prost_types::FileDescriptorProto> = files
+            .iter()
+            .map(|b| prost::Message::decode(b.as_slice()).unwrap())
+            .collect();
+        let m = files
+            .iter()
+            .flat_map(|f| &f.service)
+            .filter(|s| s.name() == service)
+            .flat_map(|s| &s.method)
+            .find(|m| m.name() == method)
+            .unwrap_or_else(|| panic!("{service}.{method} in {files:?}"));
+        assert_eq!(m.input_type(), input);
+        assert!(m.server_streaming() && !m.client_streaming(), "{m:?}");
+        let message = input.rsplit('.').next().unwrap();
+        assert!(
+            files
+                .iter()
+                .flat_map(|f| &f.message_type)
+                .any(|t| t.name() == message),
+            "{message} is described too"
+        );
     }
 }
 

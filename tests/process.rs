@@ -69,6 +69,15 @@ async fn spawn(kubeconfig: &std::path::Path, args: &[&str], env: &[(&str, &str)]
         .spawn()
         .expect("the broker starts");
     let admin: SocketAddr = ([127, 0, 0, 1], admin).into();
+    wait_ready(admin).await;
+    Process {
+        child,
+        grpc: ([127, 0, 0, 1], grpc).into(),
+        admin,
+    }
+}
+
+async fn wait_ready(admin: SocketAddr) {
     let ready = tokio::time::timeout(Duration::from_secs(20), async {
         loop {
             if let Ok(Ok((200, _))) =
@@ -81,11 +90,6 @@ async fn spawn(kubeconfig: &std::path::Path, args: &[&str], env: &[(&str, &str)]
     })
     .await;
     assert!(ready.is_ok(), "the broker becomes ready");
-    Process {
-        child,
-        grpc: ([127, 0, 0, 1], grpc).into(),
-        admin,
-    }
 }
 
 async fn try_get(addr: SocketAddr, path: &str) -> std::io::Result<(u16, String)> {
@@ -548,4 +552,88 @@ async fn tls_flags_serve_mtls_and_pick_up_rotated_files_by_themselves() {
         .unwrap();
     assert!(is(&next(&mut s).await, Event::Updated, "off"));
     assert!(is(&next(&mut r).await, Event::Updated, "off"));
+}
+
+#[tokio::test]
+async fn with_grpc_addr_none_it_serves_on_the_unix_socket_alone() {
+    let (fake, _dir, kubeconfig) = fake_with_kubeconfig().await;
+    fake.apply(flag("demo", "on")).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("broker.sock");
+    let admin: SocketAddr = ([127, 0, 0, 1], free_port()).into();
+    let mut child = Command::new(BIN)
+        .args([
+            "serve",
+            "--grpc-addr",
+            "none",
+            "--readiness-interval",
+            "200ms",
+        ])
+        .arg("--grpc-socket")
+        .arg(&socket)
+        .args(["--admin-addr", &admin.to_string()])
+        .env("KUBECONFIG", &kubeconfig)
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("the broker starts");
+    wait_ready(admin).await;
+
+    let pid = child.id().unwrap();
+    assert_eq!(
+        listening_tcp_ports(pid),
+        vec![admin.port()],
+        "the admin port is its only TCP listener"
+    );
+
+    let channel = tonic::transport::Endpoint::from_shared(format!("unix://{}", socket.display()))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut client = crd_broker::pb::broker_client::BrokerClient::new(channel);
+    let mut s = subscribe(&mut client, &[&demo("demo")]).await;
+    assert!(is(&next(&mut s).await, Event::Snapshot, "on"));
+    fake.merge_patch(GV, "featureflags", "default", "demo", variant_patch("off"))
+        .unwrap();
+    assert!(is(&next(&mut s).await, Event::Updated, "off"));
+
+    let status = std::process::Command::new("kill")
+        .args(["-TERM", &pid.to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let exit = tokio::time::timeout(WAIT, child.wait())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(exit.success(), "{exit:?}");
+    assert!(!socket.exists(), "the socket file is removed at exit");
+}
+
+/// The TCP ports a process listens on, from its socket inodes and /proc/net/tcp{,6}.
+fn listening_tcp_ports(pid: u32) -> Vec<u16> {
+    let inodes: Vec<String> = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+        .filter_map(|l| {
+            let l = l.to_string_lossy().into_owned();
+            Some(l.strip_prefix("socket:[")?.strip_suffix(']')?.to_string())
+        })
+        .collect();
+    let mut ports = Vec::new();
+    for table in ["/proc/net/tcp", "/proc/net/tcp6"] {
+        let text = std::fs::read_to_string(table).unwrap_or_default();
+        for line in text.lines().skip(1) {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            // local_address is field 1 (addr:PORT in hex), st field 3 (0A = LISTEN), inode 9.
+            if f.len() > 9 && f[3] == "0A" && inodes.iter().any(|i| i == f[9]) {
+                let port = f[1].rsplit(':').next().unwrap();
+                ports.push(u16::from_str_radix(port, 16).unwrap());
+            }
+        }
+    }
+    ports.sort();
+    ports
 }

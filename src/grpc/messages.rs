@@ -4,20 +4,18 @@
 //! The first version was combinators — `unfold` for the states, `select` with a `once` for the
 //! drain, another `unfold` to stop after an error, and a span entered on every poll. Profiling
 //! the fan-out (docs/performance.md) put those layers at about 8 % of the broker's CPU, more
-//! than tonic's own encoder. Here a poll is one `watch` receiver check, two atomic loads for
-//! the drain, and the caller's `next`.
+//! than tonic's own encoder. Here a poll is one `watch` receiver check, an atomic swap for the
+//! drain ([`OnWake`]), and the caller's `next`.
 
 use std::pin::Pin;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::task::{Context, Poll, Wake, Waker, ready};
+use std::task::{Context, Poll, ready};
 
-use futures::Stream;
-use futures::task::AtomicWaker;
+use futures::{FutureExt, Stream};
 use tokio_util::sync::{CancellationToken, ReusableBoxFuture, WaitForCancellationFutureOwned};
 use tonic::Status;
 
 use super::shutting_down;
+use crate::on_wake::OnWake;
 use crate::registry::{State, Subscription};
 
 /// What a subscriber's stream does with a state its subscription sees.
@@ -38,7 +36,7 @@ pub(crate) struct Messages<F> {
     /// Resolves with the subscription once it has a state not yet seen; `false` when the
     /// registry has stopped.
     state: ReusableBoxFuture<'static, (bool, Subscription)>,
-    drain: Drain,
+    drain: OnWake<WaitForCancellationFutureOwned>,
     next: F,
     done: bool,
     /// The subscription's span: it lives as long as the stream. Not entered on every poll (that
@@ -64,7 +62,7 @@ where
     ) -> Self {
         Messages {
             state: ReusableBoxFuture::new(newer(subscription, false)),
-            drain: Drain::new(drain),
+            drain: OnWake::new(drain.cancelled_owned()),
             next,
             done: false,
             _span: span,
@@ -83,7 +81,7 @@ where
         if this.done {
             return Poll::Ready(None);
         }
-        if this.drain.fired(cx.waker()) {
+        if this.drain.poll_unpin(cx).is_ready() {
             this.done = true;
             return Poll::Ready(Some(Err(shutting_down())));
         }
@@ -105,62 +103,6 @@ where
                 }
             }
         }
-    }
-}
-
-/// Whether a cancellation token has fired, checked with atomics.
-///
-/// `CancellationToken::is_cancelled` takes a mutex, and polling its future takes another; done
-/// on every poll of every stream, they showed in the profile. Instead the token's future is
-/// polled with a waker of our own, which raises a flag and wakes the stream's task: the token
-/// is only looked at again after that wake.
-struct Drain {
-    cancelled: Pin<Box<WaitForCancellationFutureOwned>>,
-    signal: Arc<Signal>,
-    fired: bool,
-}
-
-#[derive(Default)]
-struct Signal {
-    woken: AtomicBool,
-    task: AtomicWaker,
-}
-
-impl Wake for Signal {
-    fn wake(self: Arc<Self>) {
-        self.wake_by_ref();
-    }
-
-    fn wake_by_ref(self: &Arc<Self>) {
-        self.woken.store(true, Ordering::Release);
-        self.task.wake();
-    }
-}
-
-impl Drain {
-    fn new(token: CancellationToken) -> Self {
-        let signal = Arc::new(Signal::default());
-        // Polled first on the first `fired` call, which registers our waker with the token.
-        signal.woken.store(true, Ordering::Relaxed);
-        Drain {
-            cancelled: Box::pin(token.cancelled_owned()),
-            signal,
-            fired: false,
-        }
-    }
-
-    /// Whether the token has fired; if not, `task` is woken when it does.
-    fn fired(&mut self, task: &Waker) -> bool {
-        if self.fired {
-            return true;
-        }
-        self.signal.task.register(task);
-        if self.signal.woken.swap(false, Ordering::AcqRel) {
-            let waker = Waker::from(self.signal.clone());
-            let mut cx = Context::from_waker(&waker);
-            self.fired = self.cancelled.as_mut().poll(&mut cx).is_ready();
-        }
-        self.fired
     }
 }
 
