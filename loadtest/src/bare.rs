@@ -1,5 +1,6 @@
-//! The yardstick: a bare tonic server — stock `tonic::transport::Server` with its defaults, the
-//! same `crdbroker.v1.Broker/Subscribe` service and wire format, and none of the broker's logic.
+//! The yardstick: a bare tonic server — stock `tonic::transport::Server` with its defaults but
+//! for the broker's HTTP/2 keepalive (so both transports do the same work), the same
+//! `crdbroker.v1.Broker/Subscribe` service and wire format, and none of the broker's logic.
 //! It broadcasts pre-encoded messages to the streams of each resource; the harness feeds them on
 //! stdin, one `name<TAB>json` line per message.
 
@@ -91,7 +92,10 @@ pub async fn run(addr: SocketAddr) -> anyhow::Result<()> {
         }
     });
     let (_, health) = tonic_health::server::health_reporter();
+    let broker = crd_broker::server::ServerConfig::default();
     tonic::transport::Server::builder()
+        .http2_keepalive_interval(broker.keepalive_interval)
+        .http2_keepalive_timeout(Some(broker.keepalive_timeout))
         .add_service(health)
         .add_service(BrokerServer::new(Bare { channels }))
         .serve(addr)

@@ -119,8 +119,7 @@ fn subscribe_request(name: &str) -> pb::SubscribeRequest {
 
 /// `n` subscriptions to `name`, one after another on `channel`, each timed from the call to its
 /// first message and then dropped: the first-message time of a lone subscriber.
-pub async fn first_messages(channel: Channel, name: &str, n: usize) -> Histogram {
-    let h = Histogram::default();
+pub async fn first_messages(channel: Channel, name: &str, n: usize, h: &Histogram) {
     let mut client = BrokerClient::new(channel);
     for _ in 0..n {
         let started = Instant::now();
@@ -130,7 +129,6 @@ pub async fn first_messages(channel: Channel, name: &str, n: usize) -> Histogram
             h.record(started.elapsed());
         }
     }
-    h
 }
 
 /// One subscriber: subscribes to `name`, times its first message, then every live update.

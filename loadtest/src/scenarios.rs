@@ -227,20 +227,44 @@ fn firsts(r: &Recorder) -> u64 {
     r.first_cold.count() + r.first_warm.count()
 }
 
-/// One server under the fan-out load.
-async fn fanout_on(
+/// One server with the fan-out's subscribers connected, taking updates.
+struct Loaded {
+    kind: Kind,
+    fake: FakeApiServer,
+    _dir: tempfile_like::Dir,
+    target: Target,
+    channels: Vec<Channel>,
+    recorder: Arc<Recorder>,
+    trigger: tokio_util_like::Trigger,
+    subscribers: usize,
+    crs: usize,
+    updates: usize,
+    rss_before: u64,
+    rss_loaded: u64,
+    cpu_before: Duration,
+    /// Lone subscriptions to a watched resource, after the updates.
+    first_warm_alone: Histogram,
+    /// Unary round trips (the bare server's health Check), after the updates.
+    unary: Histogram,
+    /// Per resource: the last update written, and the resourceVersion it got.
+    last_seq: Vec<u64>,
+    last_rv: Vec<String>,
+}
+
+/// Starts one server and connects the fan-out's subscribers to it.
+async fn load(
     run: &Run,
     kind: Kind,
     subscribers: usize,
     connections: usize,
     crs: usize,
-) -> anyhow::Result<FanoutRun> {
-    let (fake, _dir, mut target) = serve(run, kind, crs, Duration::from_secs(30)).await?;
+    updates: usize,
+) -> anyhow::Result<Loaded> {
+    let (fake, dir, target) = serve(run, kind, crs, Duration::from_secs(30)).await?;
     tokio::time::sleep(Duration::from_millis(300)).await;
     let rss_before = target.rss();
     let channels = clients::connections(target.grpc, connections, run.sources).await?;
     let names: Vec<String> = (0..subscribers).map(|i| name(i % crs)).collect();
-    let updates = (run.rate * run.duration.as_secs_f64()).round() as usize;
     let recorder = Recorder::new(subscribers, updates);
     let (trigger, stop) = tokio_util_like::signal();
 
@@ -273,102 +297,135 @@ async fn fanout_on(
     progress.finish_and_clear();
     tokio::time::sleep(Duration::from_millis(500)).await;
     let rss_loaded = target.rss();
+    Ok(Loaded {
+        kind,
+        fake,
+        _dir: dir,
+        target,
+        channels,
+        recorder,
+        trigger,
+        subscribers,
+        crs,
+        updates,
+        rss_before,
+        rss_loaded,
+        cpu_before: Duration::ZERO,
+        first_warm_alone: Histogram::default(),
+        unary: Histogram::default(),
+        last_seq: vec![0; crs],
+        last_rv: vec![String::new(); crs],
+    })
+}
 
-    // Updates at the rate, round robin over the resources.
-    let cpu_before = target.cpu();
-    let progress = bar(updates as u64, &format!("{kind:?}: updating"));
-    let started = Instant::now();
-    let mut last_seq = vec![0u64; crs];
-    let mut last_rv = vec![String::new(); crs];
-    for seq in 1..=updates {
-        let due = started + Duration::from_secs_f64(seq as f64 / run.rate);
-        tokio::time::sleep_until(due.into()).await;
-        let k = seq % crs;
-        // Both clocks start at the API write: the broker learns of it from its watch, the
-        // bare server from the harness once the write has returned.
+impl Loaded {
+    /// Writes update `seq` to its resource (round robin). The clock starts at the API write for
+    /// both servers: the broker learns of it from its watch, the bare server from the harness
+    /// once the write has returned.
+    async fn update(&mut self, seq: usize) -> anyhow::Result<()> {
+        let k = seq % self.crs;
         let patch = json!({ "spec": { "flagSpec": { "metadata": { "seq": seq, "sentAt": now_nanos() } } } });
-        let obj = fake.merge_patch(GV, "featureflags", "default", &name(k), patch)?;
-        if kind == Kind::Bare {
-            target.feed(&name(k), &obj.to_string()).await?;
+        let obj = self
+            .fake
+            .merge_patch(GV, "featureflags", "default", &name(k), patch)?;
+        if self.kind == Kind::Bare {
+            self.target.feed(&name(k), &obj.to_string()).await?;
         }
-        last_seq[k] = seq as u64;
-        last_rv[k] = obj["metadata"]["resourceVersion"]
+        self.last_seq[k] = seq as u64;
+        self.last_rv[k] = obj["metadata"]["resourceVersion"]
             .as_str()
             .unwrap_or_default()
             .to_string();
-        progress.inc(1);
+        Ok(())
     }
-    progress.finish_and_clear();
-    // Lost = subscribers not on their resource's last state once things settle.
-    let lost = |r: &Recorder| {
-        (0..subscribers)
+
+    /// Times `n` lone first messages on a watched resource and, on the bare server, `n` unary
+    /// round trips.
+    async fn probe(&self, n: usize) {
+        let channel = self.channels[0].clone();
+        clients::first_messages(channel.clone(), &name(0), n, &self.first_warm_alone).await;
+        if self.kind == Kind::Bare {
+            unary_round_trips(channel, n, &self.unary).await;
+        }
+    }
+
+    /// Subscribers not on their resource's last state.
+    fn lost(&self) -> u64 {
+        let r = &self.recorder;
+        (0..self.subscribers)
             .filter(|i| {
-                let k = i % crs;
-                let seq_ok = r.last_seq[*i].load(Ordering::Relaxed) == last_seq[k];
-                let rv_ok = kind == Kind::Bare
+                let k = i % self.crs;
+                let seq_ok = r.last_seq[*i].load(Ordering::Relaxed) == self.last_seq[k];
+                let rv_ok = self.kind == Kind::Bare
                     || r.last_rv[*i]
                         .lock()
-                        .map(|v| *v == last_rv[k])
+                        .map(|v| *v == self.last_rv[k])
                         .unwrap_or(false);
                 !(seq_ok && rv_ok)
             })
             .count() as u64
-    };
-    let _ = wait_until(
-        "every subscriber on the last state",
-        Duration::from_secs(30),
-        || lost(&recorder) == 0,
-    )
-    .await;
-    let cpu = target.cpu().saturating_sub(cpu_before);
+    }
 
-    let first_warm_alone = clients::first_messages(channels[0].clone(), &name(0), 200)
-        .await
-        .summary();
-    let unary = match kind {
-        Kind::Bare => Some(unary_round_trips(channels[0].clone()).await),
-        Kind::Broker => None,
-    };
-    let internal_fanout_mean_ms = match (
-        target.metric_sum("crd_broker_fanout_seconds_sum").await,
-        target.metric_sum("crd_broker_fanout_seconds_count").await,
-    ) {
-        (Some(sum), Some(count)) if count > 0.0 => Some(sum / count * 1000.0),
-        _ => None,
-    };
-    let result = FanoutRun {
-        target: kind,
-        deliveries: recorder.deliveries.summary(),
-        fanout: recorder.completions().summary(),
-        first_cold: recorder.first_cold.summary(),
-        first_warm: recorder.first_warm.summary(),
-        first_warm_alone,
-        unary,
-        internal_fanout_mean_ms,
-        rss_before_bytes: rss_before,
-        rss_loaded_bytes: rss_loaded,
-        bytes_per_stream: rss_loaded.saturating_sub(rss_before) as f64 / subscribers as f64,
-        cpu_seconds: cpu.as_secs_f64(),
-        updates: updates as u64,
-        lost: lost(&recorder),
-        errors: recorder.errors.load(Ordering::Relaxed),
-        open_watches: (kind == Kind::Broker).then(|| fake.open_watches()),
-        lists: (kind == Kind::Broker)
-            .then(|| fake.requests().iter().filter(|r| r.verb == "list").count()),
-        watches: (kind == Kind::Broker)
-            .then(|| fake.requests().iter().filter(|r| r.verb == "watch").count()),
-        cdf: recorder.deliveries.cdf(),
-    };
-    trigger.stop();
-    drop(channels);
-    target.stop().await;
-    Ok(result)
+    /// Waits for the last states to arrive, measures what is left to measure, and stops the
+    /// server.
+    async fn finish(self) -> anyhow::Result<FanoutRun> {
+        let _ = wait_until(
+            "every subscriber on the last state",
+            Duration::from_secs(30),
+            || self.lost() == 0,
+        )
+        .await;
+        let cpu = self.target.cpu().saturating_sub(self.cpu_before);
+        let kind = self.kind;
+        let first_warm_alone = self.first_warm_alone.summary();
+        let unary = (kind == Kind::Bare).then(|| self.unary.summary());
+        let internal_fanout_mean_ms = match (
+            self.target
+                .metric_sum("crd_broker_fanout_seconds_sum")
+                .await,
+            self.target
+                .metric_sum("crd_broker_fanout_seconds_count")
+                .await,
+        ) {
+            (Some(sum), Some(count)) if count > 0.0 => Some(sum / count * 1000.0),
+            _ => None,
+        };
+        let recorder = &self.recorder;
+        let fake = &self.fake;
+        let result = FanoutRun {
+            target: kind,
+            deliveries: recorder.deliveries.summary(),
+            fanout: recorder.completions().summary(),
+            first_cold: recorder.first_cold.summary(),
+            first_warm: recorder.first_warm.summary(),
+            first_warm_alone,
+            unary,
+            internal_fanout_mean_ms,
+            rss_before_bytes: self.rss_before,
+            rss_loaded_bytes: self.rss_loaded,
+            bytes_per_stream: self.rss_loaded.saturating_sub(self.rss_before) as f64
+                / self.subscribers as f64,
+            cpu_seconds: cpu.as_secs_f64(),
+            updates: self.updates as u64,
+            lost: self.lost(),
+            errors: recorder.errors.load(Ordering::Relaxed),
+            open_watches: (kind == Kind::Broker).then(|| fake.open_watches()),
+            lists: (kind == Kind::Broker)
+                .then(|| fake.requests().iter().filter(|r| r.verb == "list").count()),
+            watches: (kind == Kind::Broker)
+                .then(|| fake.requests().iter().filter(|r| r.verb == "watch").count()),
+            cdf: recorder.deliveries.cdf(),
+        };
+        self.trigger.stop();
+        drop(self.channels);
+        self.target.stop().await;
+        Ok(result)
+    }
 }
 
-async fn unary_round_trips(channel: Channel) -> Summary {
+async fn unary_round_trips(channel: Channel, n: usize, h: &Histogram) {
     let mut health = tonic_health::pb::health_client::HealthClient::new(channel);
-    let h = Histogram::default();
-    for _ in 0..200 {
+    for _ in 0..n {
         let t = Instant::now();
         let _ = health
             .check(tonic_health::pb::HealthCheckRequest {
@@ -377,22 +434,74 @@ async fn unary_round_trips(channel: Channel) -> Summary {
             .await;
         h.record(t.elapsed());
     }
-    h.summary()
 }
 
+/// Lone first messages (and unary round trips) timed on each server after its updates.
+const PROBES: usize = 200;
+
 /// Scenarios (a) and (b): the broker and the bare server under the same load.
-pub async fn fanout(run: &Run, crs: usize) -> anyhow::Result<Fanout> {
-    let broker = fanout_on(run, Kind::Broker, run.subscribers, run.connections, crs).await?;
-    let bare = fanout_on(run, Kind::Bare, run.subscribers, run.connections, crs).await?;
+///
+/// With `together`, both are loaded first and their updates interleave, the bare server's half
+/// a period after the broker's, so whatever else the machine is doing falls on both alike; that
+/// suits (a), whose fan-outs end in milliseconds, long before the other server's next update.
+/// The probes after the updates take turns too, ten at a time.
+/// Otherwise each server runs alone in turn: (b) keeps both cores busy for its whole run.
+pub async fn fanout(run: &Run, crs: usize, together: bool) -> anyhow::Result<Fanout> {
+    let (subscribers, connections) = (run.subscribers, run.connections);
+    let updates = (run.rate * run.duration.as_secs_f64()).round() as usize;
+    let load = |kind| load(run, kind, subscribers, connections, crs, updates);
+    let (broker, bare) = if together {
+        let mut both = [load(Kind::Broker).await?, load(Kind::Bare).await?];
+        drive(&mut both, updates, run.rate).await?;
+        let [broker, bare] = both;
+        for _ in 0..PROBES / 10 {
+            broker.probe(10).await;
+            bare.probe(10).await;
+        }
+        (broker.finish().await?, bare.finish().await?)
+    } else {
+        let mut broker = [load(Kind::Broker).await?];
+        drive(&mut broker, updates, run.rate).await?;
+        let [broker] = broker;
+        broker.probe(PROBES).await;
+        let broker = broker.finish().await?;
+        let mut bare = [load(Kind::Bare).await?];
+        drive(&mut bare, updates, run.rate).await?;
+        let [bare] = bare;
+        bare.probe(PROBES).await;
+        (broker, bare.finish().await?)
+    };
     Ok(Fanout {
-        subscribers: run.subscribers,
-        connections: run.connections,
+        subscribers,
+        connections,
         crs,
         rate: run.rate,
         seconds: run.duration.as_secs_f64(),
         broker,
         bare,
     })
+}
+
+/// Writes `updates` updates at `rate` to each server, the servers' turns spread evenly over
+/// each period.
+async fn drive(servers: &mut [Loaded], updates: usize, rate: f64) -> anyhow::Result<()> {
+    let progress = bar(updates as u64, "updating");
+    let period = Duration::from_secs_f64(1.0 / rate);
+    let turn = period / servers.len() as u32;
+    for server in servers.iter_mut() {
+        server.cpu_before = server.target.cpu();
+    }
+    let started = Instant::now();
+    for seq in 1..=updates {
+        for (i, server) in servers.iter_mut().enumerate() {
+            let due = started + period * seq as u32 + turn * i as u32;
+            tokio::time::sleep_until(due.into()).await;
+            server.update(seq).await?;
+        }
+        progress.inc(1);
+    }
+    progress.finish_and_clear();
+    Ok(())
 }
 
 /// Scenario (c): a reconnect storm at a broker with no watches.
@@ -722,13 +831,17 @@ pub async fn run_all(run: Run) -> anyhow::Result<()> {
     let mut results = report::Results::new(&run, fds);
     if run.wants("fanout") {
         results.fanout = Some(
-            fanout(&run, run.crs)
+            fanout(&run, run.crs, true)
                 .await
                 .context("the fan-out scenario")?,
         );
     }
     if run.wants("hot") {
-        results.hot = Some(fanout(&run, 1).await.context("the hot-CR scenario")?);
+        results.hot = Some(
+            fanout(&run, 1, false)
+                .await
+                .context("the hot-CR scenario")?,
+        );
     }
     if run.wants("storm") {
         results.storm = Some(storm(&run).await.context("the storm scenario")?);
