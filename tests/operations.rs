@@ -584,12 +584,7 @@ async fn a_unix_socket_serves_alongside_tcp() {
         ..Listeners::default()
     };
     let broker = broker_with(&fake, listeners, fast(), vec![]);
-    let channel = tonic::transport::Endpoint::from_shared(format!("unix://{}", path.display()))
-        .unwrap()
-        .connect()
-        .await
-        .unwrap();
-    let mut client = crd_broker::pb::broker_client::BrokerClient::new(channel);
+    let mut client = connect_unix(&path).await;
     let mut s = subscribe(&mut client, &[&demo("demo")]).await;
     assert_eq!(next(&mut s).await.event(), Event::Snapshot);
     let mut tcp = connect(broker.addr).await;

@@ -587,12 +587,7 @@ async fn with_grpc_addr_none_it_serves_on_the_unix_socket_alone() {
         "the admin port is its only TCP listener"
     );
 
-    let channel = tonic::transport::Endpoint::from_shared(format!("unix://{}", socket.display()))
-        .unwrap()
-        .connect()
-        .await
-        .unwrap();
-    let mut client = crd_broker::pb::broker_client::BrokerClient::new(channel);
+    let mut client = connect_unix(&socket).await;
     let mut s = subscribe(&mut client, &[&demo("demo")]).await;
     assert!(is(&next(&mut s).await, Event::Snapshot, "on"));
     fake.merge_patch(GV, "featureflags", "default", "demo", variant_patch("off"))

@@ -150,6 +150,16 @@ pub async fn connect(addr: std::net::SocketAddr) -> BrokerClient<Channel> {
         .expect("connects")
 }
 
+/// A Broker client over the unix socket at `path`.
+pub async fn connect_unix(path: &std::path::Path) -> BrokerClient<Channel> {
+    let channel = tonic::transport::Endpoint::from_shared(format!("unix://{}", path.display()))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    BrokerClient::new(channel)
+}
+
 pub fn flag(name: &str, variant: &str) -> Value {
     json!({
         "apiVersion": GV,
