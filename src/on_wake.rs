@@ -121,6 +121,35 @@ mod tests {
         assert_eq!(polls.load(Ordering::SeqCst), 2);
     }
 
+    /// A waker that counts its wakes.
+    struct Count(AtomicUsize);
+
+    impl Wake for Count {
+        fn wake(self: Arc<Self>) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    #[test]
+    fn a_wake_goes_to_the_waker_of_the_latest_poll() {
+        let token = CancellationToken::new();
+        let mut on_wake = OnWake::new(token.clone().cancelled_owned());
+        let (first, second) = (
+            Arc::new(Count(AtomicUsize::new(0))),
+            Arc::new(Count(AtomicUsize::new(0))),
+        );
+        let poll = |on_wake: &mut OnWake<_>, count: &Arc<Count>| {
+            let waker = Waker::from(count.clone());
+            Pin::new(on_wake).poll(&mut Context::from_waker(&waker))
+        };
+        assert!(poll(&mut on_wake, &first).is_pending());
+        assert!(poll(&mut on_wake, &second).is_pending());
+        token.cancel();
+        assert_eq!(first.0.load(Ordering::SeqCst), 0);
+        assert_eq!(second.0.load(Ordering::SeqCst), 1);
+        assert!(poll(&mut on_wake, &second).is_ready());
+    }
+
     #[tokio::test]
     async fn its_wake_reaches_the_task_that_waits_on_it() {
         let token = CancellationToken::new();
