@@ -392,16 +392,7 @@ async fn bad_requests_get_specific_statuses_and_others_are_still_served() {
     let allowed = vec!["featureflags.core.openfeature.dev".parse().unwrap()];
     let h = start_allowing(Duration::from_secs(30), allowed).await;
     h.fake.apply(flag("demo", "on")).unwrap();
-    h.fake
-        .install_crd(json!({
-            "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
-            "metadata": { "name": "secrets.example.com" },
-            "spec": { "group": "example.com", "scope": "Namespaced",
-                "names": { "plural": "secrets", "kind": "Secret" },
-                "versions": [{ "name": "v1", "served": true, "storage": true,
-                    "schema": { "openAPIV3Schema": { "type": "object", "x-kubernetes-preserve-unknown-fields": true } } }] }
-        }))
-        .unwrap();
+    h.fake.install_crd(secrets_crd()).unwrap();
     let mut client = h.client().await;
     let mut healthy = subscribe(&mut client, &[&demo("demo")]).await;
     next(&mut healthy).await;

@@ -632,3 +632,75 @@ fn listening_tcp_ports(pid: u32) -> Vec<u16> {
     ports.sort();
     ports
 }
+
+#[tokio::test]
+async fn environment_variables_configure_serve_without_flags() {
+    use tokio::io::AsyncBufReadExt;
+    let (fake, _dir, kubeconfig) = fake_with_kubeconfig().await;
+    fake.apply(flag("demo", "on")).unwrap();
+    fake.install_crd(secrets_crd()).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("broker.sock");
+    let admin: SocketAddr = ([127, 0, 0, 1], free_port()).into();
+    let mut child = Command::new(BIN)
+        .arg("serve")
+        .env("KUBECONFIG", &kubeconfig)
+        .env("CRD_BROKER_GRPC_ADDR", "none")
+        .env("CRD_BROKER_GRPC_SOCKET", &socket)
+        .env("CRD_BROKER_ADMIN_ADDR", admin.to_string())
+        .env("CRD_BROKER_RESOURCE", "featureflags.core.openfeature.dev")
+        .env("CRD_BROKER_LINGER", "200ms")
+        .env("CRD_BROKER_MAX_CONCURRENT_STREAMS", "1")
+        .env("CRD_BROKER_READINESS_INTERVAL", "200ms")
+        .env("CRD_BROKER_LOG_FORMAT", "json")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("the broker starts");
+    let mut log = tokio::io::BufReader::new(child.stderr.take().unwrap()).lines();
+    wait_ready(admin).await;
+
+    // CRD_BROKER_LOG_FORMAT: the start-up line is JSON.
+    let line = tokio::time::timeout(WAIT, log.next_line())
+        .await
+        .unwrap()
+        .unwrap()
+        .expect("a log line");
+    let record: serde_json::Value =
+        serde_json::from_str(&line).unwrap_or_else(|e| panic!("{e}: {line}"));
+    assert!(record.get("level").is_some(), "{record}");
+
+    // CRD_BROKER_GRPC_ADDR, _GRPC_SOCKET, _ADMIN_ADDR.
+    let pid = child.id().unwrap();
+    assert_eq!(listening_tcp_ports(pid), vec![admin.port()]);
+    let mut client = connect_unix(&socket).await;
+    let mut first = subscribe(&mut client, &[&demo("demo")]).await;
+    assert!(is(&next(&mut first).await, Event::Snapshot, "on"));
+
+    // CRD_BROKER_MAX_CONCURRENT_STREAMS: a second stream on the connection waits for the first.
+    let mut again = client.clone();
+    let second = tokio::time::timeout(Duration::from_millis(500), async {
+        again.subscribe(request(&[&demo("demo")])).await
+    })
+    .await;
+    assert!(second.is_err(), "one stream at a time on a connection");
+
+    // CRD_BROKER_RESOURCE: another kind is not served.
+    drop(first);
+    let other = client
+        .subscribe(request(&["secrets.example.com/default/x"]))
+        .await
+        .map(|_| ())
+        .expect_err("a kind outside CRD_BROKER_RESOURCE");
+    assert_eq!(other.code(), Code::PermissionDenied, "{other:?}");
+
+    // CRD_BROKER_LINGER: the watch stops soon after its last subscriber left (default: 30 s).
+    let stopped = tokio::time::timeout(WAIT, async {
+        while fake.open_watches() > 0 {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    assert!(stopped.is_ok(), "the watch stops within the linger");
+}

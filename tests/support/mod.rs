@@ -173,6 +173,18 @@ pub fn flag(name: &str, variant: &str) -> Value {
     })
 }
 
+/// A second CRD, `secrets.example.com`, for a kind a broker restricted to FeatureFlags refuses.
+pub fn secrets_crd() -> Value {
+    json!({
+        "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+        "metadata": { "name": "secrets.example.com" },
+        "spec": { "group": "example.com", "scope": "Namespaced",
+            "names": { "plural": "secrets", "kind": "Secret" },
+            "versions": [{ "name": "v1", "served": true, "storage": true,
+                "schema": { "openAPIV3Schema": { "type": "object", "x-kubernetes-preserve-unknown-fields": true } } }] }
+    })
+}
+
 pub fn variant_patch(variant: &str) -> Value {
     json!({ "spec": { "flagSpec": { "flags": { "f": { "defaultVariant": variant } } } } })
 }
