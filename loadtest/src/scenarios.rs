@@ -241,7 +241,9 @@ struct Loaded {
     updates: usize,
     rss_before: u64,
     rss_loaded: u64,
+    /// CPU time when the updates began, then the time they took (once settled).
     cpu_before: Duration,
+    cpu: Duration,
     /// Lone subscriptions to a watched resource, after the updates.
     first_warm_alone: Histogram,
     /// Unary round trips (the bare server's health Check), after the updates.
@@ -311,6 +313,7 @@ async fn load(
         rss_before,
         rss_loaded,
         cpu_before: Duration::ZERO,
+        cpu: Duration::ZERO,
         first_warm_alone: Histogram::default(),
         unary: Histogram::default(),
         last_seq: vec![0; crs],
@@ -366,16 +369,20 @@ impl Loaded {
             .count() as u64
     }
 
-    /// Waits for the last states to arrive, measures what is left to measure, and stops the
-    /// server.
-    async fn finish(self) -> anyhow::Result<FanoutRun> {
+    /// Waits for the last states to arrive (or a timeout: `lost` says how many did not), then
+    /// reads the CPU time the updates took.
+    async fn settle(&mut self) {
         let _ = wait_until(
             "every subscriber on the last state",
             Duration::from_secs(30),
             || self.lost() == 0,
         )
         .await;
-        let cpu = self.target.cpu().saturating_sub(self.cpu_before);
+        self.cpu = self.target.cpu().saturating_sub(self.cpu_before);
+    }
+
+    /// Measures what is left to measure, and stops the server.
+    async fn finish(self) -> anyhow::Result<FanoutRun> {
         let kind = self.kind;
         let first_warm_alone = self.first_warm_alone.summary();
         let unary = (kind == Kind::Bare).then(|| self.unary.summary());
@@ -405,7 +412,7 @@ impl Loaded {
             rss_loaded_bytes: self.rss_loaded,
             bytes_per_stream: self.rss_loaded.saturating_sub(self.rss_before) as f64
                 / self.subscribers as f64,
-            cpu_seconds: cpu.as_secs_f64(),
+            cpu_seconds: self.cpu.as_secs_f64(),
             updates: self.updates as u64,
             lost: self.lost(),
             errors: recorder.errors.load(Ordering::Relaxed),
@@ -453,7 +460,9 @@ pub async fn fanout(run: &Run, crs: usize, together: bool) -> anyhow::Result<Fan
     let (broker, bare) = if together {
         let mut both = [load(Kind::Broker).await?, load(Kind::Bare).await?];
         drive(&mut both, updates, run.rate).await?;
-        let [broker, bare] = both;
+        let [mut broker, mut bare] = both;
+        broker.settle().await;
+        bare.settle().await;
         for _ in 0..PROBES / 10 {
             broker.probe(10).await;
             bare.probe(10).await;
@@ -462,12 +471,14 @@ pub async fn fanout(run: &Run, crs: usize, together: bool) -> anyhow::Result<Fan
     } else {
         let mut broker = [load(Kind::Broker).await?];
         drive(&mut broker, updates, run.rate).await?;
-        let [broker] = broker;
+        let [mut broker] = broker;
+        broker.settle().await;
         broker.probe(PROBES).await;
         let broker = broker.finish().await?;
         let mut bare = [load(Kind::Bare).await?];
         drive(&mut bare, updates, run.rate).await?;
-        let [bare] = bare;
+        let [mut bare] = bare;
+        bare.settle().await;
         bare.probe(PROBES).await;
         (broker, bare.finish().await?)
     };
