@@ -478,10 +478,7 @@ async fn a_forbidden_resource_ends_the_stream_with_permission_denied() {
     });
     let mut client = h.client().await;
     let mut s = subscribe(&mut client, &[&demo("secret")]).await;
-    let err = tokio::time::timeout(WAIT, s.message())
-        .await
-        .unwrap()
-        .unwrap_err();
+    let err = ended(&mut s).await;
     assert_eq!(err.code(), Code::PermissionDenied, "{}", err.message());
     assert!(err.message().contains("forbidden"), "{}", err.message());
     // Others are unaffected.
@@ -499,10 +496,7 @@ async fn shutdown_ends_streams_with_unavailable() {
     next(&mut s).await;
     let registry = h.broker.registry.clone();
     let stopping = tokio::spawn(h.broker.stop());
-    let err = tokio::time::timeout(WAIT, s.message())
-        .await
-        .unwrap()
-        .unwrap_err();
+    let err = ended(&mut s).await;
     assert_eq!(err.code(), Code::Unavailable);
     stopping.await.unwrap().unwrap();
     assert_eq!(registry.tasks(), 0);

@@ -261,10 +261,7 @@ async fn sync_streams_end_with_unavailable_never_ok() {
         .into_inner();
     config(&mut s).await;
     let stopping = tokio::spawn(h.broker.stop());
-    let status = tokio::time::timeout(WAIT, s.message())
-        .await
-        .unwrap()
-        .unwrap_err();
+    let status = ended(&mut s).await;
     assert_eq!(status.code(), Code::Unavailable);
     stopping.await.unwrap().unwrap();
 }
@@ -299,10 +296,7 @@ async fn a_configuration_over_four_mebibytes_is_resource_exhausted_and_never_sen
         .await
         .unwrap()
         .into_inner();
-    let status = tokio::time::timeout(WAIT, s.message())
-        .await
-        .unwrap()
-        .unwrap_err();
+    let status = ended(&mut s).await;
     assert_eq!(status.code(), Code::ResourceExhausted);
     assert!(
         status.message().contains("FeatureFlag default/big") && status.message().contains("4300"),

@@ -503,10 +503,7 @@ async fn at_its_age_a_connection_gets_goaway_its_streams_end_unavailable_and_it_
         .into_inner();
     watch.message().await.unwrap();
 
-    let ended = tokio::time::timeout(WAIT, s.message())
-        .await
-        .unwrap()
-        .unwrap_err();
+    let ended = ended(&mut s).await;
     let at = opened.elapsed();
     assert_eq!(ended.code(), Code::Unavailable, "{}", ended.message());
     assert!(

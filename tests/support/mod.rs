@@ -234,6 +234,14 @@ pub async fn until(
     }
 }
 
+/// The error a stream ends with, within [`WAIT`].
+pub async fn ended<T: std::fmt::Debug>(stream: &mut Streaming<T>) -> tonic::Status {
+    tokio::time::timeout(WAIT, stream.message())
+        .await
+        .expect("the stream ends in time")
+        .expect_err("it ends with an error")
+}
+
 pub fn object(r: &pb::SubscribeResponse) -> Value {
     serde_json::from_slice(&r.object).expect("the object is JSON")
 }
