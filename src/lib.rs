@@ -2,34 +2,39 @@
 //!
 //! # Architecture
 //!
-//! A client opens a server stream naming the resources it needs. The [`grpc`] layer validates
-//! the request ([`selector`] is the one place selectors are parsed and checked), resolves each
-//! resource through the [`registry`], and streams each resource's state: at once, then on every
-//! change. The registry keeps one entry per resource, created by the first subscriber and removed
-//! a `--linger` after the last one leaves; each entry's task drives a [`source`] watch and
-//! publishes the latest state through a `tokio::sync::watch` channel, whose receiver count is the
-//! reference count. Sources are the Kubernetes API (kube-rs `watch_object`) and a directory of
-//! manifests. [`config`] holds the command line and wires the pieces together; it is the only
-//! module that knows them all.
+//! A folder is a layer; dependencies point one way, from the top of this list to the bottom:
 //!
-//! Dependencies point one way: grpc → registry → source, with the registry generic over the
-//! [`source::Source`] trait.
+//! - [`cli`] — the command line: parses flags, picks the source and listeners, starts a
+//!   [`broker`], which assembles the layers below (the only module besides the command line that
+//!   knows them all).
+//! - [`ops`] — readiness and gRPC health, the admin endpoints, signals. It reads the registry.
+//! - [`grpc`] — the native and flagd services and the one mapping of errors to `Status`. A
+//!   request is validated ([`selector`] is the one place selectors are parsed), resolved through
+//!   the registry, and each resource's state streamed: at once, then on every change.
+//! - [`transport`] — the HTTP/2 server: listeners, TLS, per-connection drain and maximum age,
+//!   keepalive, the request size limit. It knows no service: it makes each connection's service
+//!   through a function it is given, and hands every request its [`conn::Peer`] and
+//!   [`conn::ConnDrain`] (a leaf module both sides read) through the request's extensions.
+//! - [`registry`] — the heart: one entry per resource, created by its first subscriber and
+//!   removed a `--linger` after the last leaves; each entry's task drives a [`source`] watch
+//!   and publishes the latest state through a `tokio::sync::watch` channel, whose receiver count
+//!   is the reference count. It knows no gRPC and no callers.
+//! - [`source`] — the [`source::Source`] trait the registry is generic over, implemented by the
+//!   Kubernetes API (kube-rs `watch_object`) and a directory of manifests.
+//! - [`telemetry`] — metric families, logs and traces; every layer records into it.
 
 #![warn(clippy::unwrap_used)]
 
-pub mod admin;
-pub mod config;
+pub mod broker;
+pub mod cli;
+pub mod conn;
 pub mod grpc;
-pub mod health;
-pub mod on_wake;
+pub mod ops;
 pub mod registry;
 pub mod selector;
-pub mod server;
-pub mod shutdown;
 pub mod source;
-pub mod subscribe;
 pub mod telemetry;
-pub mod tls;
+pub mod transport;
 
 /// Protobuf types, the generated clients (prost) and servers (pre-encoded streams).
 #[allow(missing_docs, clippy::all, clippy::pedantic)]

@@ -6,5 +6,5 @@ use clap::Parser;
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    crd_broker::config::Cli::parse().run().await
+    crd_broker::cli::Cli::parse().run().await
 }

@@ -104,6 +104,33 @@ label_values!(Protocol { Native => "native", Flagd => "flagd", FlagdLegacy => "f
 label_values!(StopReason { Idle => "idle", Shutdown => "shutdown" });
 label_values!(Watch { Cold => "cold", Warm => "warm" });
 
+/// A limit a request can hit.
+#[derive(Debug, Clone, Copy, Hash, PartialEq, Eq)]
+pub enum Limit {
+    /// `--max-watches`: distinct resources watched at once.
+    MaxWatches,
+    /// `--max-streams-per-caller`.
+    StreamsPerCaller,
+    /// `--new-watch-rate`: new watches per second per caller.
+    NewWatchRate,
+    /// `--max-request-bytes`.
+    RequestSize,
+}
+
+label_values!(Limit {
+    MaxWatches => "max_watches",
+    StreamsPerCaller => "streams_per_caller",
+    NewWatchRate => "new_watch_rate",
+    RequestSize => "request_size",
+});
+
+/// Labels of the limit counter.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct LimitLabels {
+    /// Which limit.
+    pub limit: Limit,
+}
+
 /// Labels of the first-message histogram.
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct FirstMessageLabels {
@@ -152,6 +179,8 @@ pub struct Metrics {
     pub grpc_started: Family<GrpcLabels, Counter>,
     /// gRPC requests completed, by status code.
     pub grpc_handled: Family<GrpcCodeLabels, Counter>,
+    /// Requests refused by a limit, by limit.
+    pub limit_hits: Family<LimitLabels, Counter>,
 }
 
 fn latency_histogram() -> Histogram {
@@ -173,6 +202,7 @@ impl Default for Metrics {
             first_message_seconds: Family::new_with_constructor(latency_histogram),
             grpc_started: Family::default(),
             grpc_handled: Family::default(),
+            limit_hits: Family::default(),
             registry: Registry::default(),
         };
         registry.register(
@@ -210,6 +240,11 @@ impl Default for Metrics {
             "first_message_seconds",
             "Seconds from a subscribe to its first message, per resource",
             m.first_message_seconds.clone(),
+        );
+        registry.register(
+            "limit_hits",
+            "Requests refused by a limit (RESOURCE_EXHAUSTED), by limit",
+            m.limit_hits.clone(),
         );
         let grpc = registry.sub_registry_with_prefix("grpc");
         grpc.register("started", "gRPC requests received", m.grpc_started.clone());

@@ -287,7 +287,7 @@ async fn a_configuration_over_four_mebibytes_is_resource_exhausted_and_never_sen
     )
     .unwrap();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let broker = crd_broker::server::Running::start(listener, source, Duration::ZERO).unwrap();
+    let broker = crd_broker::broker::Running::start(listener, source, Duration::ZERO).unwrap();
     let mut client = FlagSyncServiceClient::connect(format!("http://{}", broker.addr))
         .await
         .unwrap();

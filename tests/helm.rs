@@ -164,7 +164,7 @@ fn container(docs: &[Value]) -> Value {
 }
 
 /// The container's arguments parse as the binary's command line.
-fn args_parse(docs: &[Value]) -> crd_broker::config::Serve {
+fn args_parse(docs: &[Value]) -> crd_broker::cli::Serve {
     let args: Vec<String> = container(docs)["args"]
         .as_array()
         .unwrap()
@@ -172,12 +172,12 @@ fn args_parse(docs: &[Value]) -> crd_broker::config::Serve {
         .map(|a| a.as_str().unwrap().to_string())
         .collect();
     assert_eq!(args[0], "serve");
-    let cli = crd_broker::config::Cli::try_parse_from(
+    let cli = crd_broker::cli::Cli::try_parse_from(
         std::iter::once("crd-broker".to_string()).chain(args.clone()),
     )
     .unwrap_or_else(|e| panic!("the chart passes flags the binary refuses: {e}\n{args:?}"));
     match cli.command {
-        crd_broker::config::Command::Serve(serve) => *serve,
+        crd_broker::cli::Command::Serve(serve) => *serve,
         other => panic!("{other:?}"),
     }
 }

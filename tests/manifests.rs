@@ -6,8 +6,8 @@ mod support;
 use std::path::Path;
 use std::time::Duration;
 
+use crd_broker::broker::Running;
 use crd_broker::pb::subscribe_response::Event;
-use crd_broker::server::Running;
 use crd_broker::source::manifests::Manifests;
 use support::*;
 use tokio::net::TcpListener;

@@ -8,8 +8,8 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crd_broker::broker::{Config, Listeners};
 use crd_broker::pb::subscribe_response::Event;
-use crd_broker::server::{Listeners, ServerConfig};
 use fake_apiserver::{Deny, Matcher};
 use serde_json::Value;
 use support::*;
@@ -27,11 +27,11 @@ async fn channel(addr: std::net::SocketAddr) -> tonic::transport::Channel {
         .unwrap()
 }
 
-fn fast() -> ServerConfig {
-    ServerConfig {
+fn fast() -> Config {
+    Config {
         linger: Duration::ZERO,
         readiness_interval: Duration::from_millis(200),
-        ..ServerConfig::default()
+        ..Config::default()
     }
 }
 
@@ -477,11 +477,9 @@ async fn at_its_age_a_connection_gets_goaway_its_streams_end_unavailable_and_it_
 
     let fake = fake().await;
     fake.apply(flag("demo", "on")).unwrap();
-    let config = ServerConfig {
-        max_connection_age: Some(Duration::from_secs(1)),
-        max_connection_age_grace: Duration::from_secs(2),
-        ..fast()
-    };
+    let mut config = fast();
+    config.transport.max_connection_age = Some(Duration::from_secs(1));
+    config.transport.max_connection_age_grace = Duration::from_secs(2);
     let broker = broker_with(&fake, listeners_with_admin().await, config, vec![]);
     let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", broker.addr))
         .unwrap()
@@ -594,7 +592,7 @@ async fn a_unix_socket_serves_alongside_tcp() {
 
 #[tokio::test]
 async fn mtls_with_certificates_reloaded_without_dropping_connections() {
-    use crd_broker::tls::{Tls, TlsFiles};
+    use crd_broker::transport::tls::{Tls, TlsFiles};
     let fake = fake().await;
     fake.apply(flag("demo", "on")).unwrap();
     let dir = tempfile::tempdir().unwrap();

@@ -92,7 +92,7 @@ pub async fn run(addr: SocketAddr) -> anyhow::Result<()> {
         }
     });
     let (_, health) = tonic_health::server::health_reporter();
-    let broker = crd_broker::server::ServerConfig::default();
+    let broker = crd_broker::transport::Config::default();
     tonic::transport::Server::builder()
         .http2_keepalive_interval(broker.keepalive_interval)
         .http2_keepalive_timeout(Some(broker.keepalive_timeout))

@@ -15,8 +15,8 @@ use tokio_util::sync::{CancellationToken, ReusableBoxFuture, WaitForCancellation
 use tonic::Status;
 
 use super::shutting_down;
-use crate::on_wake::OnWake;
 use crate::registry::{State, Subscription};
+use crate::transport::on_wake::OnWake;
 
 /// What a subscriber's stream does with a state its subscription sees.
 pub(crate) enum Next<T> {

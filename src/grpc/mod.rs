@@ -9,12 +9,12 @@ use futures::stream::{self, BoxStream, Stream, StreamExt};
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 
+use crate::conn::ConnDrain;
 use crate::pb;
 use crate::pb::broker_server::{Broker, BrokerServer};
 use crate::pb::subscribe_response::Event;
 use crate::registry::{Registry, State, Update};
 use crate::selector::{KindRef, ParseError, Selector};
-use crate::server::ConnDrain;
 use crate::source::{Source, SourceError};
 use crate::telemetry::{
     FirstMessageLabels, Metrics, Protocol, ResourceLabels, SubscriberLabels, Watch,

@@ -40,6 +40,9 @@ use crate::telemetry::{ErrorLabels, Metrics, ResourceLabels, StopLabels, StopRea
 #[cfg(test)]
 mod tests;
 
+/// How long a watch outlives its last subscriber by default (ADR 0005).
+pub const DEFAULT_LINGER: Duration = Duration::from_secs(30);
+
 /// The latest state of one resource, as every subscriber sees it.
 #[derive(Debug, Clone, Default)]
 pub enum State {

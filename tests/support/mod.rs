@@ -5,11 +5,11 @@
 
 use std::time::Duration;
 
+use crd_broker::broker::Running;
 use crd_broker::pb;
 use crd_broker::pb::broker_client::BrokerClient;
 use crd_broker::pb::subscribe_response::Event;
 use crd_broker::selector::{KindRef, Selector};
-use crd_broker::server::Running;
 use crd_broker::source::kubernetes::{Kubernetes, READ_TIMEOUT};
 use fake_apiserver::{FakeApiServer, Options};
 use serde_json::{Value, json};
@@ -65,8 +65,8 @@ pub fn broker_at(
 /// A broker on `listeners` with `config`, its Kubernetes source the fake, serving `allowed`.
 pub fn broker_with(
     fake: &FakeApiServer,
-    listeners: crd_broker::server::Listeners,
-    config: crd_broker::server::ServerConfig,
+    listeners: crd_broker::broker::Listeners,
+    config: crd_broker::broker::Config,
     allowed: Vec<KindRef>,
 ) -> Running<Kubernetes> {
     Running::start_with(
@@ -194,7 +194,7 @@ pub fn request(selectors: &[&str]) -> pb::SubscribeRequest {
         .iter()
         .map(|s| s.parse().expect("a valid selector"))
         .collect();
-    crd_broker::subscribe::request(&parsed)
+    crd_broker::cli::subscribe::request(&parsed)
 }
 
 pub fn demo(name: &str) -> String {

@@ -1,5 +1,6 @@
-//! The command line (every flag also an environment variable `CRD_BROKER_*`) and the wiring of
-//! sources, registry and server: the one module that knows them all.
+//! The command line (every flag also an environment variable `CRD_BROKER_*`): `serve` picks the
+//! source and the listeners and starts a [`crate::broker`]; `start` is flagd-proxy's command
+//! line for the same; `subscribe` is a client.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -10,17 +11,19 @@ use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
 use tokio::net::{TcpListener, UnixListener};
 
+use crate::broker::{self, Listeners, Running};
 use crate::selector::{KindRef, Selector};
-use crate::server::{Listeners, Running, ServerConfig};
 use crate::source::Source;
 use crate::source::kubernetes::Kubernetes;
 use crate::source::manifests::Manifests;
-use crate::subscribe::{self, Output};
 use crate::telemetry::{self, LogFormat};
-use crate::tls::{Tls, TlsFiles};
+use crate::transport::{
+    self,
+    tls::{Tls, TlsFiles},
+};
+use subscribe::Output;
 
-/// How long a watch outlives its last subscriber by default (ADR 0005).
-pub const DEFAULT_LINGER: Duration = Duration::from_secs(30);
+pub mod subscribe;
 
 /// Shares one Kubernetes watch per custom resource among many gRPC subscribers.
 #[derive(Debug, Parser)]
@@ -192,6 +195,9 @@ pub struct Serve {
     /// How often readiness (the source answers, and may be read) is checked.
     #[arg(long, env = "CRD_BROKER_READINESS_INTERVAL", default_value = "10s", value_parser = humantime::parse_duration)]
     pub readiness_interval: Duration,
+    /// The largest request message taken, in bytes (a larger one is RESOURCE_EXHAUSTED).
+    #[arg(long, env = "CRD_BROKER_MAX_REQUEST_BYTES", default_value_t = transport::DEFAULT_MAX_REQUEST_BYTES)]
+    pub max_request_bytes: usize,
 }
 
 /// `crd-broker subscribe`.
@@ -249,17 +255,20 @@ impl Start {
 }
 
 impl Serve {
-    /// The server settings these flags give.
-    pub fn server_config(&self) -> ServerConfig {
-        ServerConfig {
+    /// The broker settings these flags give.
+    pub fn broker_config(&self) -> broker::Config {
+        broker::Config {
             linger: self.linger,
-            max_connection_age: self.max_connection_age.0,
-            max_connection_age_grace: self.max_connection_age_grace,
-            keepalive_interval: self.http2_keepalive_interval.0,
-            keepalive_timeout: self.http2_keepalive_timeout,
-            max_concurrent_streams: self.max_concurrent_streams,
-            shutdown_grace: self.shutdown_grace,
             readiness_interval: self.readiness_interval,
+            transport: transport::Config {
+                max_connection_age: self.max_connection_age.0,
+                max_connection_age_grace: self.max_connection_age_grace,
+                keepalive_interval: self.http2_keepalive_interval.0,
+                keepalive_timeout: self.http2_keepalive_timeout,
+                max_concurrent_streams: self.max_concurrent_streams,
+                shutdown_grace: self.shutdown_grace,
+                max_request_bytes: self.max_request_bytes,
+            },
         }
     }
 
@@ -318,7 +327,7 @@ impl Serve {
     /// Binds, picks the source, serves until SIGINT or SIGTERM, then drains.
     pub async fn run(self) -> anyhow::Result<()> {
         let listeners = self.listeners().await?;
-        let config = self.server_config();
+        let config = self.broker_config();
         match &self.manifests {
             Some(dir) => {
                 let source = Manifests::open(dir, self.manifests_poll, self.resources.clone())
@@ -340,16 +349,16 @@ impl Serve {
 async fn run_until_signal<S: Source>(
     listeners: Listeners,
     source: S,
-    config: ServerConfig,
+    config: broker::Config,
 ) -> anyhow::Result<()> {
-    let grace = config.shutdown_grace;
+    let grace = config.transport.shutdown_grace;
     let running = Running::start_with(listeners, source, config)?;
     tracing::info!(
         grpc = %running.addr,
         admin = ?running.admin_addr,
         "crd-broker serving"
     );
-    let signals = Arc::new(crate::shutdown::Signals::new()?);
+    let signals = Arc::new(crate::ops::shutdown::Signals::new()?);
     signals.next().await;
     tracing::info!(
         ?grace,

@@ -12,7 +12,7 @@ use axum::routing::get;
 use serde_json::json;
 use tokio::net::TcpListener;
 
-use crate::health::Readiness;
+use crate::ops::health::Readiness;
 use crate::registry::{Registry, WatchStatus};
 use crate::source::Source;
 use crate::telemetry::Metrics;

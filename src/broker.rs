@@ -1,0 +1,166 @@
+//! A broker assembled: the registry over a source, the gRPC services over the registry, the
+//! transport they are served on, readiness and gRPC health, and the admin endpoints. The one
+//! module besides the command line that knows every layer; tests start brokers through it.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::net::{TcpListener, UnixListener};
+use tokio_util::sync::CancellationToken;
+
+use crate::grpc::BrokerService;
+use crate::grpc::flagd::{FlagdCore, FlagdService, LegacyService};
+use crate::ops::health::Readiness;
+use crate::pb::flagd::flag_sync_service_server::FlagSyncServiceServer;
+use crate::pb::legacy::flag_sync_service_server::FlagSyncServiceServer as LegacyServer;
+use crate::registry::{DEFAULT_LINGER, Registry};
+use crate::source::Source;
+use crate::telemetry::Metrics;
+use crate::transport::{self, Serving};
+
+/// How a broker behaves; the defaults are the command line's.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// How long a watch outlives its last subscriber.
+    pub linger: Duration,
+    /// How often the source's readiness is checked.
+    pub readiness_interval: Duration,
+    /// Connections: age, keepalive, limits, drain.
+    pub transport: transport::Config,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            linger: DEFAULT_LINGER,
+            readiness_interval: Duration::from_secs(10),
+            transport: transport::Config::default(),
+        }
+    }
+}
+
+/// Where to listen.
+#[derive(Default)]
+pub struct Listeners {
+    /// gRPC over TCP.
+    pub tcp: Option<TcpListener>,
+    /// TLS for the TCP listener.
+    pub tls: Option<Arc<transport::tls::Tls>>,
+    /// gRPC over a unix domain socket (plain), and its path (removed at exit).
+    pub unix: Option<(UnixListener, std::path::PathBuf)>,
+    /// The admin HTTP server.
+    pub admin: Option<TcpListener>,
+}
+
+impl Listeners {
+    /// gRPC on one TCP listener, nothing else.
+    pub fn tcp(listener: TcpListener) -> Self {
+        Listeners {
+            tcp: Some(listener),
+            ..Listeners::default()
+        }
+    }
+}
+
+/// A broker serving on its listeners.
+pub struct Running<S> {
+    /// The TCP address gRPC listens on (unspecified when there is no TCP listener).
+    pub addr: SocketAddr,
+    /// The admin server's address, if any.
+    pub admin_addr: Option<SocketAddr>,
+    /// Its registry, for introspection.
+    pub registry: Registry<S>,
+    /// Cancel to shut it down (see [`Running::stop`]).
+    pub shutdown: CancellationToken,
+    /// Readiness, as `/readyz` and gRPC health report it.
+    pub readiness: Arc<Readiness>,
+    serving: Serving,
+}
+
+impl<S: Source> Running<S> {
+    /// Starts serving `source` on `listener` with default settings and the given linger.
+    pub fn start(listener: TcpListener, source: S, linger: Duration) -> anyhow::Result<Self> {
+        let config = Config {
+            linger,
+            ..Config::default()
+        };
+        Self::start_with(Listeners::tcp(listener), source, config)
+    }
+
+    /// Starts serving `source` on `listeners`.
+    pub fn start_with(listeners: Listeners, source: S, config: Config) -> anyhow::Result<Self> {
+        let Listeners {
+            tcp,
+            tls,
+            unix,
+            admin,
+        } = listeners;
+        let admin_addr = admin.as_ref().map(TcpListener::local_addr).transpose()?;
+        let shutdown = CancellationToken::new();
+        let metrics = Arc::new(Metrics::default());
+        let registry =
+            Registry::with_metrics(source, config.linger, shutdown.clone(), metrics.clone());
+        let (reporter, health) = tonic_health::server::health_reporter();
+        let readiness = Readiness::new(reporter, shutdown.clone());
+        readiness.spawn_checks(registry.clone(), config.readiness_interval);
+        if let Some(admin) = admin {
+            crate::ops::admin::spawn(admin, readiness.clone(), registry.clone(), metrics.clone());
+        }
+        let reflection = tonic_reflection::server::Builder::configure()
+            .register_encoded_file_descriptor_set(crate::pb::DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+            .build_v1()?;
+        let reflection_alpha = tonic_reflection::server::Builder::configure()
+            .register_encoded_file_descriptor_set(crate::pb::DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+            .build_v1alpha()?;
+        let flagd = Arc::new(FlagdCore::new(registry.clone(), shutdown.clone()));
+        let routes = tonic::service::Routes::new(health)
+            .add_service(reflection)
+            .add_service(reflection_alpha)
+            .add_service(BrokerService::new(registry.clone(), shutdown.clone()).server())
+            .add_service(FlagSyncServiceServer::new(FlagdService(flagd.clone())))
+            .add_service(LegacyServer::new(LegacyService(flagd)))
+            .prepare();
+        let make: transport::MakeService =
+            Arc::new(move |_peer| transport::Service::new(routes.clone()));
+        let serving = transport::serve(
+            transport::Listeners { tcp, tls, unix },
+            make,
+            config.transport,
+            shutdown.clone(),
+            metrics,
+        )?;
+        Ok(Running {
+            addr: serving.addr,
+            admin_addr,
+            registry,
+            shutdown,
+            readiness,
+            serving,
+        })
+    }
+
+    /// Drains: readiness and health go down, listeners close, every connection gets GOAWAY and
+    /// its streams end with UNAVAILABLE; waits at most the shutdown grace for connections to
+    /// finish, then closes the rest.
+    pub async fn stop(self) -> anyhow::Result<()> {
+        self.shutdown.cancel();
+        self.finished().await
+    }
+
+    /// Waits for the drain that cancelling `shutdown` started.
+    pub async fn finished(self) -> anyhow::Result<()> {
+        self.shutdown.cancelled().await;
+        let Running {
+            registry, serving, ..
+        } = self;
+        let stopped = async {
+            // The watch tasks stop with the token.
+            let _ = tokio::time::timeout(Duration::from_secs(5), registry.stopped()).await;
+        };
+        tokio::join!(serving.finished(), stopped);
+        Ok(())
+    }
+}

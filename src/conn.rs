@@ -1,0 +1,82 @@
+//! What the transport tells the layers above about the connection a request came on, through
+//! the request's extensions: who is at the other end ([`Peer`]) and whether the connection is
+//! being drained ([`ConnDrain`]). A leaf module: the transport fills these in, the access layer
+//! and the services read them, and none of them imports another for it.
+
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+
+use rustls_pki_types::CertificateDer;
+use tokio_util::sync::CancellationToken;
+
+/// The drain token of the connection a request came on: cancelled when the connection reaches
+/// its maximum age or the broker shuts down. Streams end with UNAVAILABLE when it fires.
+#[derive(Debug, Clone)]
+pub struct ConnDrain(pub CancellationToken);
+
+/// The other end of a connection, as the transport saw it when it accepted it.
+#[derive(Debug, Clone)]
+pub struct Peer {
+    /// A number unique to the connection within this process.
+    pub id: u64,
+    /// Where it comes from.
+    pub addr: PeerAddr,
+    /// On a TLS connection where the client presented a certificate (which then chains to
+    /// `--tls-client-ca`): its chain, leaf first.
+    pub client_certs: Option<Arc<[CertificateDer<'static>]>>,
+}
+
+/// Where a connection comes from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PeerAddr {
+    /// TCP, plain or TLS.
+    Tcp {
+        /// The client's address.
+        remote: SocketAddr,
+        /// The broker's address it connected to.
+        local: SocketAddr,
+    },
+    /// A unix domain socket, with the connecting process's credentials when the kernel gives
+    /// them (`SO_PEERCRED`).
+    Unix {
+        /// The process's user id.
+        uid: Option<u32>,
+        /// The process id.
+        pid: Option<i32>,
+    },
+}
+
+impl Peer {
+    /// The client's IP address, on TCP.
+    pub fn ip(&self) -> Option<IpAddr> {
+        match self.addr {
+            PeerAddr::Tcp { remote, .. } => Some(canonical_ip(remote.ip())),
+            PeerAddr::Unix { .. } => None,
+        }
+    }
+}
+
+/// An IPv4 address that arrived as IPv4-mapped IPv6 (`::ffff:10.0.0.1`, as on a dual-stack
+/// listener) as plain IPv4, so that it compares equal to a pod's `status.podIP`.
+pub fn canonical_ip(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V6(v6) => v6
+            .to_ipv4_mapped()
+            .map(IpAddr::V4)
+            .unwrap_or(IpAddr::V6(v6)),
+        v4 => v4,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mapped_ipv4_compares_as_ipv4() {
+        let mapped: IpAddr = "::ffff:10.1.2.3".parse().unwrap();
+        assert_eq!(canonical_ip(mapped), "10.1.2.3".parse::<IpAddr>().unwrap());
+        let v6: IpAddr = "fd00::1".parse().unwrap();
+        assert_eq!(canonical_ip(v6), v6);
+    }
+}
