@@ -9,6 +9,7 @@ use std::time::Duration;
 use tokio::net::{TcpListener, UnixListener};
 use tokio_util::sync::CancellationToken;
 
+use crate::access::{self, Access, Authenticate};
 use crate::grpc::BrokerService;
 use crate::grpc::flagd::{FlagdCore, FlagdService, LegacyService};
 use crate::ops::health::Readiness;
@@ -28,7 +29,15 @@ pub struct Config {
     pub readiness_interval: Duration,
     /// Connections: age, keepalive, limits, drain.
     pub transport: transport::Config,
+    /// The most resources watched at once (`--max-watches`).
+    pub max_watches: usize,
+    /// Identity, policy and per-caller limits.
+    pub access: access::Settings,
 }
+
+/// The default `--max-watches`: each watch holds a connection to the API server, and a cluster
+/// of 10,000 sidecars rarely needs as many distinct resources.
+pub const DEFAULT_MAX_WATCHES: usize = 10_000;
 
 impl Default for Config {
     fn default() -> Self {
@@ -36,6 +45,8 @@ impl Default for Config {
             linger: DEFAULT_LINGER,
             readiness_interval: Duration::from_secs(10),
             transport: transport::Config::default(),
+            max_watches: DEFAULT_MAX_WATCHES,
+            access: access::Settings::default(),
         }
     }
 }
@@ -75,6 +86,8 @@ pub struct Running<S> {
     pub shutdown: CancellationToken,
     /// Readiness, as `/readyz` and gRPC health report it.
     pub readiness: Arc<Readiness>,
+    /// Who may read what.
+    pub access: Arc<Access>,
     serving: Serving,
 }
 
@@ -99,8 +112,14 @@ impl<S: Source> Running<S> {
         let admin_addr = admin.as_ref().map(TcpListener::local_addr).transpose()?;
         let shutdown = CancellationToken::new();
         let metrics = Arc::new(Metrics::default());
-        let registry =
-            Registry::with_metrics(source, config.linger, shutdown.clone(), metrics.clone());
+        let access = Access::new(config.access, metrics.clone())?;
+        let registry = Registry::with_metrics(
+            source,
+            config.linger,
+            shutdown.clone(),
+            metrics.clone(),
+            config.max_watches,
+        );
         let (reporter, health) = tonic_health::server::health_reporter();
         let readiness = Readiness::new(reporter, shutdown.clone());
         readiness.spawn_checks(registry.clone(), config.readiness_interval);
@@ -115,16 +134,29 @@ impl<S: Source> Running<S> {
             .register_encoded_file_descriptor_set(crate::pb::DESCRIPTOR_SET)
             .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
             .build_v1alpha()?;
-        let flagd = Arc::new(FlagdCore::new(registry.clone(), shutdown.clone()));
+        let flagd = Arc::new(FlagdCore::new(
+            registry.clone(),
+            access.clone(),
+            shutdown.clone(),
+        ));
+        let native = BrokerService::new(registry.clone(), access.clone(), shutdown.clone());
         let routes = tonic::service::Routes::new(health)
             .add_service(reflection)
             .add_service(reflection_alpha)
-            .add_service(BrokerService::new(registry.clone(), shutdown.clone()).server())
+            .add_service(native.server())
             .add_service(FlagSyncServiceServer::new(FlagdService(flagd.clone())))
             .add_service(LegacyServer::new(LegacyService(flagd)))
             .prepare();
-        let make: transport::MakeService =
-            Arc::new(move |_peer| transport::Service::new(routes.clone()));
+        // With identity off there is nothing to identify: requests go straight to the services.
+        let make: transport::MakeService = if access.identifies() {
+            let access = access.clone();
+            Arc::new(move |peer| {
+                let conn = access.connection(peer);
+                transport::Service::new(Authenticate::new(access.clone(), conn, routes.clone()))
+            })
+        } else {
+            Arc::new(move |_peer| transport::Service::new(routes.clone()))
+        };
         let serving = transport::serve(
             transport::Listeners { tcp, tls, unix },
             make,
@@ -138,6 +170,7 @@ impl<S: Source> Running<S> {
             registry,
             shutdown,
             readiness,
+            access,
             serving,
         })
     }

@@ -25,7 +25,9 @@
 
 #![warn(clippy::unwrap_used)]
 
+pub mod access;
 pub mod broker;
+pub mod cache;
 pub mod cli;
 pub mod conn;
 pub mod grpc;

@@ -40,16 +40,16 @@ pub enum ParseError {
     #[error("empty selector: expected {FORMS}")]
     Empty,
     /// The text has the wrong number of `/`-separated parts.
-    #[error("selector {0:?} has {1} '/'-separated part(s): expected {FORMS}")]
+    #[error("selector {0} has {1} '/'-separated part(s): expected {FORMS}")]
     Parts(String, usize),
     /// A part is empty or malformed.
-    #[error("selector {selector:?}: {part} {value:?} {why}")]
+    #[error("selector {selector}: {part} {value} {why}")]
     Part {
-        /// The whole input.
+        /// The whole input, quoted (see [`quote`]).
         selector: String,
         /// Which part: `resource`, `version`, `group`, `namespace` or `name`.
         part: &'static str,
-        /// The offending value.
+        /// The offending value, quoted.
         value: String,
         /// What is wrong with it.
         why: &'static str,
@@ -104,11 +104,28 @@ fn is_resource_word(s: &str) -> bool {
 /// A [`ParseError::Part`] about `input`.
 fn bad_part(input: &str, part: &'static str, value: &str, why: &'static str) -> ParseError {
     ParseError::Part {
-        selector: input.to_string(),
+        selector: quote(input),
         part,
-        value: value.to_string(),
+        value: quote(value),
         why,
     }
+}
+
+/// The most of a client's text an error message quotes.
+pub const QUOTE_LIMIT: usize = 64;
+
+/// `text` quoted for an error message: in full up to [`QUOTE_LIMIT`] bytes, else its start
+/// and its length, so that an error about a huge input is not itself huge (clients refuse
+/// oversized status messages, and logs should not carry them).
+pub fn quote(text: &str) -> String {
+    if text.len() <= QUOTE_LIMIT {
+        return format!("{text:?}");
+    }
+    let mut end = QUOTE_LIMIT;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{:?}… ({} bytes)", &text[..end], text.len())
 }
 
 impl KindRef {
@@ -231,7 +248,7 @@ impl FromStr for Selector {
         let (kind, namespace, name) = match parts.as_slice() {
             [kind, ns, name] => (*kind, Some(*ns), *name),
             [kind, name] => (*kind, None, *name),
-            _ => return Err(ParseError::Parts(input.to_string(), parts.len())),
+            _ => return Err(ParseError::Parts(quote(input), parts.len())),
         };
         let kind = KindRef::parse_in(kind, input)?;
         Selector::new(kind, namespace, name, input)
@@ -291,6 +308,23 @@ mod tests {
         );
         assert!(err("featureflags.Core.dev/default/demo").contains("group \"Core.dev\""));
         assert!(err("featureflags.core.openfeature.dev//demo").contains("namespace \"\""));
+    }
+
+    #[test]
+    fn errors_quote_at_most_a_bounded_prefix() {
+        let huge = format!(
+            "featureflags.core.openfeature.dev/default/{}",
+            "é".repeat(500_000)
+        );
+        let message = huge.parse::<Selector>().unwrap_err().to_string();
+        assert!(message.len() < 600, "{} bytes", message.len());
+        assert!(message.contains("(1000042 bytes)"), "{message}");
+        let parts = "a/"
+            .repeat(100_000)
+            .parse::<Selector>()
+            .unwrap_err()
+            .to_string();
+        assert!(parts.len() < 400, "{} bytes", parts.len());
     }
 
     #[test]

@@ -124,6 +124,103 @@ label_values!(Limit {
     RequestSize => "request_size",
 });
 
+/// Which source identified a caller.
+#[derive(Debug, Clone, Copy, Hash, PartialEq, Eq)]
+pub enum IdentifiedBy {
+    /// `peer-pod`.
+    PeerPod,
+    /// `token`.
+    Token,
+    /// `mtls`.
+    Mtls,
+    /// `mesh`.
+    Mesh,
+    /// A unix-socket connection: a local caller.
+    Unix,
+    /// None did.
+    Nothing,
+}
+
+label_values!(IdentifiedBy {
+    PeerPod => "peer_pod",
+    Token => "token",
+    Mtls => "mtls",
+    Mesh => "mesh",
+    Unix => "unix",
+    Nothing => "none",
+});
+
+/// How an identification ended.
+#[derive(Debug, Clone, Copy, Hash, PartialEq, Eq)]
+pub enum IdentifyResult {
+    /// A caller was named.
+    Identified,
+    /// No source named one (UNAUTHENTICATED).
+    Unidentified,
+    /// A source could not ask the API server (UNAVAILABLE).
+    Failed,
+}
+
+label_values!(IdentifyResult {
+    Identified => "identified",
+    Unidentified => "unidentified",
+    Failed => "failed",
+});
+
+/// Labels of the identification counter.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct IdentifyLabels {
+    /// The source that named the caller (`none` when none did).
+    pub source: IdentifiedBy,
+    /// How it ended.
+    pub result: IdentifyResult,
+}
+
+/// Why the policy refused a request.
+#[derive(Debug, Clone, Copy, Hash, PartialEq, Eq)]
+pub enum Denial {
+    /// No grant for the namespace.
+    Namespace,
+    /// A grant for the namespace, not for the kind.
+    Kind,
+    /// A cluster-scoped object, with no grant reading `*`.
+    ClusterScoped,
+    /// An open stream the reloaded policy no longer allows.
+    Revoked,
+}
+
+label_values!(Denial {
+    Namespace => "namespace",
+    Kind => "kind",
+    ClusterScoped => "cluster_scoped",
+    Revoked => "revoked",
+});
+
+/// Labels of the denial counter.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct DenialLabels {
+    /// Why.
+    pub reason: Denial,
+}
+
+/// How a policy reload went.
+#[derive(Debug, Clone, Copy, Hash, PartialEq, Eq)]
+pub enum ReloadResult {
+    /// The new policy is in force.
+    Loaded,
+    /// It did not parse; the old one stays.
+    Refused,
+}
+
+label_values!(ReloadResult { Loaded => "loaded", Refused => "refused" });
+
+/// Labels of the policy-reload counter.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReloadLabels {
+    /// How it went.
+    pub result: ReloadResult,
+}
+
 /// Labels of the limit counter.
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct LimitLabels {
@@ -181,6 +278,12 @@ pub struct Metrics {
     pub grpc_handled: Family<GrpcCodeLabels, Counter>,
     /// Requests refused by a limit, by limit.
     pub limit_hits: Family<LimitLabels, Counter>,
+    /// Identifications, by source and result.
+    pub identifications: Family<IdentifyLabels, Counter>,
+    /// Requests the policy refused, by reason.
+    pub denials: Family<DenialLabels, Counter>,
+    /// Policy reloads, by result.
+    pub policy_reloads: Family<ReloadLabels, Counter>,
 }
 
 fn latency_histogram() -> Histogram {
@@ -203,6 +306,9 @@ impl Default for Metrics {
             grpc_started: Family::default(),
             grpc_handled: Family::default(),
             limit_hits: Family::default(),
+            identifications: Family::default(),
+            denials: Family::default(),
+            policy_reloads: Family::default(),
             registry: Registry::default(),
         };
         registry.register(
@@ -245,6 +351,21 @@ impl Default for Metrics {
             "limit_hits",
             "Requests refused by a limit (RESOURCE_EXHAUSTED), by limit",
             m.limit_hits.clone(),
+        );
+        registry.register(
+            "identifications",
+            "Callers identified (or not), by identity source and result",
+            m.identifications.clone(),
+        );
+        registry.register(
+            "denials",
+            "Requests the policy refused (PERMISSION_DENIED), by reason",
+            m.denials.clone(),
+        );
+        registry.register(
+            "policy_reloads",
+            "Policy file reloads, by result",
+            m.policy_reloads.clone(),
         );
         let grpc = registry.sub_registry_with_prefix("grpc");
         grpc.register("started", "gRPC requests received", m.grpc_started.clone());

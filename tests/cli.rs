@@ -223,3 +223,81 @@ async fn json_logs_are_one_object_per_line() {
     assert!(seen.iter().any(|m| m == "crd-broker serving"), "{seen:?}");
     child.kill().await.unwrap();
 }
+
+/// Runs `crd-broker serve` with `args` on the example manifests (and `env`), expecting it to
+/// refuse to start: its stderr.
+async fn refused_at_start(args: &[&str], env: &[(&str, &str)]) -> String {
+    let mut command = Command::new(BIN);
+    command
+        .args(["serve", "--manifests", EXAMPLES])
+        .args(["--grpc-addr", "127.0.0.1:0", "--admin-addr", "none"])
+        .args(args)
+        .stdin(Stdio::null());
+    for (k, v) in env {
+        command.env(k, v);
+    }
+    let out = tokio::time::timeout(Duration::from_secs(20), command.output())
+        .await
+        .expect("it exits by itself")
+        .unwrap();
+    assert!(!out.status.success(), "{args:?} started");
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+#[tokio::test]
+async fn access_settings_that_cannot_work_are_refused_at_start_with_the_reason() {
+    let dir = tempfile::tempdir().unwrap();
+    let bad = dir.path().join("policy.yaml");
+    std::fs::write(
+        &bad,
+        "grants:\n  - from: team-a\n    read: [Not_A_Namespace]\n",
+    )
+    .unwrap();
+    let bad = bad.to_str().unwrap();
+    let good = dir.path().join("good.yaml");
+    std::fs::write(&good, "grants: []\n").unwrap();
+    let good = good.to_str().unwrap();
+    type Env<'a> = Vec<(&'a str, &'a str)>;
+    let cases: Vec<(Vec<&str>, Env, &str)> = vec![
+        (
+            vec!["--identity", "peer-pod"],
+            vec![],
+            "--identity peer-pod asks the Kubernetes API",
+        ),
+        (
+            vec![],
+            vec![("CRD_BROKER_IDENTITY", "mesh,token")],
+            "--identity token asks the Kubernetes API",
+        ),
+        (
+            vec!["--identity", "mtls"],
+            vec![],
+            "--identity mtls needs client certificates",
+        ),
+        (
+            vec!["--identity", "mesh", "--policy", bad],
+            vec![],
+            "line 3",
+        ),
+        (
+            vec!["--identity", "mesh"],
+            vec![("CRD_BROKER_POLICY", bad)],
+            "read \"Not_A_Namespace\"",
+        ),
+        (vec!["--policy", good], vec![], "--policy needs --identity"),
+        (
+            vec!["--identity", "pod-ip"],
+            vec![],
+            "unknown identity source \"pod-ip\"",
+        ),
+        (
+            vec!["--identity", "none,mesh"],
+            vec![],
+            "`none` cannot be combined",
+        ),
+    ];
+    for (args, env, want) in cases {
+        let err = refused_at_start(&args, &env).await;
+        assert!(err.contains(want), "{args:?} {env:?}: {err}");
+    }
+}

@@ -4,7 +4,6 @@
 
 mod support;
 
-use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -144,26 +143,6 @@ async fn readiness_and_health_follow_the_source_and_rbac() {
 }
 
 /// Parses the OpenMetrics text into `name{labels}` → value.
-fn scrape(text: &str) -> BTreeMap<String, f64> {
-    text.lines()
-        .filter(|l| !l.starts_with('#') && !l.is_empty())
-        .filter_map(|l| {
-            let (k, v) = l.rsplit_once(' ')?;
-            Some((k.to_string(), v.parse().ok()?))
-        })
-        .collect()
-}
-
-async fn metrics(admin: std::net::SocketAddr) -> BTreeMap<String, f64> {
-    let (code, body) = http_get(admin, "/metrics").await;
-    assert_eq!(code, 200);
-    scrape(&body)
-}
-
-fn get(m: &BTreeMap<String, f64>, key: &str) -> f64 {
-    m.get(key).copied().unwrap_or(0.0)
-}
-
 #[tokio::test]
 async fn metrics_and_debug_watches_move_as_the_broker_works() {
     let fake = fake().await;

@@ -2,7 +2,7 @@
 //! source and the listeners and starts a [`crate::broker`]; `start` is flagd-proxy's command
 //! line for the same; `subscribe` is a client.
 
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -11,6 +11,7 @@ use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
 use tokio::net::{TcpListener, UnixListener};
 
+use crate::access::{self, IdentityList, limits};
 use crate::broker::{self, Listeners, Running};
 use crate::selector::{KindRef, Selector};
 use crate::source::Source;
@@ -198,6 +199,55 @@ pub struct Serve {
     /// The largest request message taken, in bytes (a larger one is RESOURCE_EXHAUSTED).
     #[arg(long, env = "CRD_BROKER_MAX_REQUEST_BYTES", default_value_t = transport::DEFAULT_MAX_REQUEST_BYTES)]
     pub max_request_bytes: usize,
+    /// How callers are identified: identity sources tried in order, the first that identifies
+    /// the caller wins (peer-pod, token, mtls, mesh), or `none` (everyone may read everything
+    /// the broker serves).
+    #[arg(
+        long,
+        env = "CRD_BROKER_IDENTITY",
+        default_value = "none",
+        value_name = "LIST"
+    )]
+    pub identity: IdentityList,
+    /// Which callers may read which namespaces and kinds (YAML; reloaded when it changes).
+    /// Without it an identified caller may read its own namespace only.
+    #[arg(long, env = "CRD_BROKER_POLICY", value_name = "FILE")]
+    pub policy: Option<PathBuf>,
+    /// How often the policy file is read for changes.
+    #[arg(long, env = "CRD_BROKER_POLICY_RELOAD_INTERVAL", default_value = "2s", value_parser = humantime::parse_duration)]
+    pub policy_reload_interval: Duration,
+    /// The audience a caller's token must be for (`token` identity; repeatable).
+    #[arg(
+        long = "token-audience",
+        env = "CRD_BROKER_TOKEN_AUDIENCE",
+        default_value = access::DEFAULT_TOKEN_AUDIENCE,
+        value_delimiter = ','
+    )]
+    pub token_audiences: Vec<String>,
+    /// The addresses a local mesh proxy delivers from: only their `x-forwarded-client-cert`
+    /// and `l5d-client-id` headers are believed (`mesh` identity; repeatable).
+    #[arg(
+        long = "mesh-proxy-addr",
+        env = "CRD_BROKER_MESH_PROXY_ADDR",
+        default_value = "127.0.0.1,127.0.0.6,::1",
+        value_delimiter = ','
+    )]
+    pub mesh_proxies: Vec<IpAddr>,
+    /// The only SPIFFE trust domain accepted from client certificates and mesh headers.
+    #[arg(long, env = "CRD_BROKER_TRUST_DOMAIN")]
+    pub trust_domain: Option<String>,
+    /// The most distinct resources watched at once.
+    #[arg(long, env = "CRD_BROKER_MAX_WATCHES", default_value_t = broker::DEFAULT_MAX_WATCHES)]
+    pub max_watches: usize,
+    /// The most streams one caller may have open at once.
+    #[arg(long, env = "CRD_BROKER_MAX_STREAMS_PER_CALLER", default_value_t = limits::DEFAULT_MAX_STREAMS_PER_CALLER)]
+    pub max_streams_per_caller: usize,
+    /// New watches one caller may start per second, on average.
+    #[arg(long, env = "CRD_BROKER_NEW_WATCH_RATE", default_value_t = limits::DEFAULT_NEW_WATCH_RATE)]
+    pub new_watch_rate: f64,
+    /// New watches one caller may start at once.
+    #[arg(long, env = "CRD_BROKER_NEW_WATCH_BURST", default_value_t = limits::DEFAULT_NEW_WATCH_BURST)]
+    pub new_watch_burst: f64,
 }
 
 /// `crd-broker subscribe`.
@@ -269,6 +319,22 @@ impl Serve {
                 shutdown_grace: self.shutdown_grace,
                 max_request_bytes: self.max_request_bytes,
             },
+            max_watches: self.max_watches,
+            access: access::Settings {
+                identity: self.identity.clone(),
+                policy: self.policy.clone(),
+                policy_reload_interval: self.policy_reload_interval,
+                token_audiences: self.token_audiences.clone(),
+                mesh_proxies: self.mesh_proxies.clone(),
+                trust_domain: self.trust_domain.clone(),
+                limits: limits::Config {
+                    max_streams_per_caller: self.max_streams_per_caller,
+                    new_watch_rate: self.new_watch_rate,
+                    new_watch_burst: self.new_watch_burst,
+                },
+                api: None,
+                client_certificates: self.tls_client_ca.is_some(),
+            },
         }
     }
 
@@ -327,7 +393,7 @@ impl Serve {
     /// Binds, picks the source, serves until SIGINT or SIGTERM, then drains.
     pub async fn run(self) -> anyhow::Result<()> {
         let listeners = self.listeners().await?;
-        let config = self.broker_config();
+        let mut config = self.broker_config();
         match &self.manifests {
             Some(dir) => {
                 let source = Manifests::open(dir, self.manifests_poll, self.resources.clone())
@@ -340,6 +406,7 @@ impl Serve {
                 let source = Kubernetes::infer(self.resources.clone())
                     .await
                     .context("configuring the Kubernetes client (KUBECONFIG, else in-cluster)")?;
+                config.access.api = Some(source.client().clone());
                 run_until_signal(listeners, source, config).await
             }
         }

@@ -8,6 +8,7 @@
 //! created); no repeated identical configurations; no configuration over the clients' 4 MiB
 //! limit; streams never ended with OK; GetMetadata answering OK with its Struct present.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -19,8 +20,9 @@ use tonic::metadata::MetadataMap;
 use tonic::{Request, Response, Status};
 
 use super::frame::Encoded;
-use super::messages::{Messages, Next};
-use super::{Delivery, drain_of, shutting_down, source_status};
+use super::messages::{End, Messages, Next};
+use super::{Admitted, Delivery, admit, drain_of, shutting_down, source_status};
+use crate::access::{Access, Caller, Ticket};
 use crate::pb::{flagd, legacy};
 use crate::registry::{Registry, State, Subscription, Wire};
 use crate::selector::{KindRef, Selector};
@@ -116,7 +118,8 @@ pub fn selector(metadata: &MetadataMap, body: &str) -> Result<Selector, Status> 
     let text = header.unwrap_or(body).trim();
     let invalid = |why: &str| {
         Status::invalid_argument(format!(
-            "selector {text:?} {why}; crd-broker accepts {FORMS}"
+            "selector {} {why}; crd-broker accepts {FORMS}",
+            crate::selector::quote(text)
         ))
     };
     if text.is_empty() {
@@ -149,28 +152,43 @@ pub fn selector(metadata: &MetadataMap, body: &str) -> Result<Selector, Status> 
 /// The shared core of both flagd services.
 pub struct FlagdCore<S> {
     registry: Registry<S>,
+    access: Arc<Access>,
     shutdown: CancellationToken,
     limit: usize,
 }
 
 impl<S: Source> FlagdCore<S> {
-    /// A core over `registry`; streams end with UNAVAILABLE when `shutdown` is cancelled.
-    pub fn new(registry: Registry<S>, shutdown: CancellationToken) -> Self {
+    /// A core over `registry` whose callers `access` admits; streams end with UNAVAILABLE when
+    /// `shutdown` is cancelled.
+    pub fn new(registry: Registry<S>, access: Arc<Access>, shutdown: CancellationToken) -> Self {
         FlagdCore {
             registry,
+            access,
             shutdown,
             limit: MAX_MESSAGE,
         }
     }
 
-    async fn subscribe(&self, selector: &Selector) -> Result<(Selector, Subscription), Status> {
-        let canonical = self
-            .registry
-            .resolve(selector)
-            .await
-            .map_err(|e| source_status(0, &e))?;
-        let subscription = self.registry.subscribe(&canonical);
-        Ok((canonical, subscription))
+    async fn subscribe(
+        &self,
+        caller: &Caller,
+        selector: &Selector,
+    ) -> Result<(Selector, Subscription, Arc<Ticket>), Status> {
+        let Admitted {
+            mut canonical,
+            mut subscriptions,
+            ticket,
+        } = admit(
+            &self.registry,
+            &self.access,
+            caller,
+            std::slice::from_ref(selector),
+        )
+        .await?;
+        match (canonical.pop(), subscriptions.pop()) {
+            (Some(c), Some(s)) => Ok((c, s, ticket)),
+            _ => Err(Status::internal("admitted no resource")),
+        }
     }
 
     async fn sync<T>(
@@ -182,9 +200,14 @@ impl<S: Source> FlagdCore<S> {
         let started = std::time::Instant::now();
         let drain = drain_of(request, &self.shutdown);
         let selector = selector(request.metadata(), body)?;
-        let (canonical, subscription) = self.subscribe(&selector).await?;
-        let span =
-            tracing::info_span!("subscription", protocol = protocol.label(), selector = %canonical);
+        let caller = Caller::of(request.extensions());
+        let (canonical, subscription, ticket) = self.subscribe(&caller, &selector).await?;
+        let span = tracing::info_span!(
+            "subscription",
+            protocol = protocol.label(),
+            selector = %canonical,
+            caller = %caller
+        );
         let delivery = Delivery::new(
             self.registry.metrics().clone(),
             &canonical,
@@ -194,12 +217,14 @@ impl<S: Source> FlagdCore<S> {
         );
         let name = flag_name(&canonical);
         let next = configurations(protocol, name, self.limit, delivery, span.clone());
-        Ok(Messages::new(subscription, drain, span, next).boxed())
+        let end = End::new(drain, Some(ticket));
+        Ok(Messages::new(subscription, end, span, next).boxed())
     }
 
-    async fn fetch(&self, metadata: &MetadataMap, body: &str) -> Result<String, Status> {
-        let selector = selector(metadata, body)?;
-        let (canonical, mut subscription) = self.subscribe(&selector).await?;
+    async fn fetch<T>(&self, request: &Request<T>, body: &str) -> Result<String, Status> {
+        let selector = selector(request.metadata(), body)?;
+        let caller = Caller::of(request.extensions());
+        let (canonical, mut subscription, _ticket) = self.subscribe(&caller, &selector).await?;
         let wait = async {
             loop {
                 match subscription.current() {
@@ -304,10 +329,7 @@ impl<S: Source> flagd::flag_sync_service_server::FlagSyncService for FlagdServic
         &self,
         request: Request<flagd::FetchAllFlagsRequest>,
     ) -> Result<Response<flagd::FetchAllFlagsResponse>, Status> {
-        let config = self
-            .0
-            .fetch(request.metadata(), &request.get_ref().selector)
-            .await?;
+        let config = self.0.fetch(&request, &request.get_ref().selector).await?;
         Ok(Response::new(flagd::FetchAllFlagsResponse {
             flag_configuration: config,
         }))
@@ -342,10 +364,7 @@ impl<S: Source> legacy::flag_sync_service_server::FlagSyncService for LegacyServ
         &self,
         request: Request<legacy::FetchAllFlagsRequest>,
     ) -> Result<Response<legacy::FetchAllFlagsResponse>, Status> {
-        let config = self
-            .0
-            .fetch(request.metadata(), &request.get_ref().selector)
-            .await?;
+        let config = self.0.fetch(&request, &request.get_ref().selector).await?;
         Ok(Response::new(legacy::FetchAllFlagsResponse {
             flag_configuration: config,
         }))

@@ -8,15 +8,47 @@
 //! drain ([`OnWake`]), and the caller's `next`.
 
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll, ready};
 
+use futures::future::BoxFuture;
 use futures::{FutureExt, Stream};
-use tokio_util::sync::{CancellationToken, ReusableBoxFuture, WaitForCancellationFutureOwned};
+use tokio_util::sync::{CancellationToken, ReusableBoxFuture};
 use tonic::Status;
 
 use super::shutting_down;
+use crate::access::Ticket;
 use crate::registry::{State, Subscription};
 use crate::transport::on_wake::OnWake;
+
+/// What ends a stream before its client does: its connection's drain (UNAVAILABLE: the client
+/// reconnects) or the revocation of its ticket (PERMISSION_DENIED). It holds the ticket, so the
+/// stream counts against its caller's limits while it lives.
+pub(crate) struct End {
+    future: BoxFuture<'static, Status>,
+    ticket: Option<Arc<Ticket>>,
+}
+
+impl End {
+    /// Ended by `drain`, or by `ticket`'s revocation.
+    pub(crate) fn new(drain: CancellationToken, ticket: Option<Arc<Ticket>>) -> End {
+        let revoked = ticket.as_ref().map(|t| t.revoked());
+        let future = async move {
+            match revoked {
+                Some(revoked) => tokio::select! {
+                    _ = drain.cancelled_owned() => shutting_down(),
+                    status = revoked => status,
+                },
+                None => {
+                    drain.cancelled_owned().await;
+                    shutting_down()
+                }
+            }
+        }
+        .boxed();
+        End { future, ticket }
+    }
+}
 
 /// What a subscriber's stream does with a state its subscription sees.
 pub(crate) enum Next<T> {
@@ -29,14 +61,16 @@ pub(crate) enum Next<T> {
 }
 
 /// The messages `next` makes of each state one subscription sees: the current state at once,
-/// then each change (a slow reader skips to the newest). Ends after its first error, and with
-/// UNAVAILABLE — never OK, which some clients never notice — when `drain` is cancelled (its
-/// connection's max age, or the broker's shutdown) or the registry stops.
+/// then each change (a slow reader skips to the newest). Ends after its first error; with
+/// UNAVAILABLE — never OK, which some clients never notice — when its connection drains (its max
+/// age, or the broker's shutdown) or the registry stops; with PERMISSION_DENIED when its access
+/// is revoked.
 pub(crate) struct Messages<F> {
     /// Resolves with the subscription once it has a state not yet seen; `false` when the
     /// registry has stopped.
     state: ReusableBoxFuture<'static, (bool, Subscription)>,
-    drain: OnWake<WaitForCancellationFutureOwned>,
+    end: OnWake<BoxFuture<'static, Status>>,
+    _ticket: Option<Arc<Ticket>>,
     next: F,
     done: bool,
     /// The subscription's span: it lives as long as the stream. Not entered on every poll (that
@@ -53,16 +87,12 @@ impl<T, F> Messages<F>
 where
     F: FnMut(&State) -> Next<T> + Send + Unpin + 'static,
 {
-    /// The stream of `subscription`, ended by `drain`, in `span`.
-    pub(crate) fn new(
-        subscription: Subscription,
-        drain: CancellationToken,
-        span: tracing::Span,
-        next: F,
-    ) -> Self {
+    /// The stream of `subscription`, ended early by `end`, in `span`.
+    pub(crate) fn new(subscription: Subscription, end: End, span: tracing::Span, next: F) -> Self {
         Messages {
             state: ReusableBoxFuture::new(newer(subscription, false)),
-            drain: OnWake::new(drain.cancelled_owned()),
+            end: OnWake::new(end.future),
+            _ticket: end.ticket,
             next,
             done: false,
             _span: span,
@@ -81,9 +111,9 @@ where
         if this.done {
             return Poll::Ready(None);
         }
-        if this.drain.poll_unpin(cx).is_ready() {
+        if let Poll::Ready(status) = this.end.poll_unpin(cx) {
             this.done = true;
-            return Poll::Ready(Some(Err(shutting_down())));
+            return Poll::Ready(Some(Err(status)));
         }
         loop {
             let (alive, mut subscription) = ready!(this.state.poll(cx));
@@ -146,7 +176,7 @@ mod tests {
         let drain = CancellationToken::new();
         let mut stream = Messages::new(
             registry.subscribe(&selector),
-            drain.clone(),
+            End::new(drain.clone(), None),
             tracing::Span::none(),
             |_: &State| Next::<()>::Wait,
         );
@@ -169,7 +199,7 @@ mod tests {
         drain.cancel();
         let mut stream = Messages::new(
             registry.subscribe(&selector),
-            drain,
+            End::new(drain, None),
             tracing::Span::none(),
             |_: &State| Next::Send(()),
         );
@@ -183,7 +213,7 @@ mod tests {
         let selector = "widgets.example.com/default/a".parse().unwrap();
         let mut stream = Messages::new(
             registry.subscribe(&selector),
-            CancellationToken::new(),
+            End::new(CancellationToken::new(), None),
             tracing::Span::none(),
             |_: &State| Next::<()>::Fail(Status::resource_exhausted("too big")),
         );

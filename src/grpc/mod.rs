@@ -9,15 +9,16 @@ use futures::stream::{self, BoxStream, Stream, StreamExt};
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 
+use crate::access::{Access, Caller, Ticket};
 use crate::conn::ConnDrain;
 use crate::pb;
 use crate::pb::broker_server::{Broker, BrokerServer};
 use crate::pb::subscribe_response::Event;
-use crate::registry::{Registry, State, Update};
+use crate::registry::{Registry, State, Subscription, Update};
 use crate::selector::{KindRef, ParseError, Selector};
 use crate::source::{Source, SourceError};
 use crate::telemetry::{
-    FirstMessageLabels, Metrics, Protocol, ResourceLabels, SubscriberLabels, Watch,
+    FirstMessageLabels, Limit, Metrics, Protocol, ResourceLabels, SubscriberLabels, Watch,
 };
 
 pub mod flagd;
@@ -25,7 +26,7 @@ pub mod frame;
 mod messages;
 
 use frame::Frame;
-use messages::{Messages, Next};
+use messages::{End, Messages, Next};
 
 /// The most resources one Subscribe may name.
 pub const MAX_RESOURCES: usize = 100;
@@ -50,6 +51,77 @@ fn parse_status(index: usize, error: &ParseError) -> Status {
     Status::invalid_argument(format!("resources[{index}]: {error}"))
 }
 
+/// `status`, about the resource at `index`.
+fn indexed(index: usize, status: Status) -> Status {
+    Status::new(
+        status.code(),
+        format!("resources[{index}]: {}", status.message()),
+    )
+}
+
+/// A request admitted: the canonical selectors, a subscription to each, and the ticket its
+/// streams hold.
+pub(crate) struct Admitted {
+    pub(crate) canonical: Vec<Selector>,
+    pub(crate) subscriptions: Vec<Subscription>,
+    pub(crate) ticket: Arc<Ticket>,
+}
+
+/// The one way into the registry, for every protocol: the policy before anything is resolved
+/// (so a namespace the caller may not read costs no API call, and the answer is the same whether
+/// or not the resource exists), resolution (`--resource` is checked before any API call), the
+/// policy on the resolved kinds, the caller's limits and `--max-watches`, then a subscription per
+/// resource.
+pub(crate) async fn admit<S: Source>(
+    registry: &Registry<S>,
+    access: &Access,
+    caller: &Caller,
+    selectors: &[Selector],
+) -> Result<Admitted, Status> {
+    for (i, selector) in selectors.iter().enumerate() {
+        access
+            .precheck(caller, selector)
+            .map_err(|s| indexed(i, s))?;
+    }
+    let resolved = futures::future::join_all(selectors.iter().map(|s| registry.resolve(s))).await;
+    let mut canonical = Vec::with_capacity(resolved.len());
+    for (i, r) in resolved.into_iter().enumerate() {
+        let selector = r.map_err(|e| source_status(i, &e))?;
+        access
+            .authorize(caller, &selector)
+            .map_err(|s| indexed(i, s))?;
+        canonical.push(selector);
+    }
+    let mut cold: Vec<&Selector> = canonical
+        .iter()
+        .filter(|s| !registry.is_watched(s))
+        .collect();
+    cold.sort();
+    cold.dedup();
+    let max = registry.max_watches();
+    if !cold.is_empty() && registry.len().saturating_add(cold.len()) > max {
+        access.count_limit(Limit::MaxWatches);
+        return Err(Status::resource_exhausted(format!(
+            "this request starts {} new watches, and the broker watches {} resources of at most {max} (--max-watches)",
+            cold.len(),
+            registry.len()
+        )));
+    }
+    let ticket = Arc::new(access.admit(caller, &canonical, cold.len())?);
+    let mut subscriptions = Vec::with_capacity(canonical.len());
+    for selector in &canonical {
+        subscriptions.push(registry.try_subscribe(selector).map_err(|full| {
+            access.count_limit(Limit::MaxWatches);
+            Status::resource_exhausted(full.to_string())
+        })?);
+    }
+    Ok(Admitted {
+        canonical,
+        subscriptions,
+        ticket,
+    })
+}
+
 /// The status a stream ends with when the broker drops it: clients reconnect on UNAVAILABLE.
 pub fn shutting_down() -> Status {
     Status::unavailable("the broker is shutting down; reconnect")
@@ -57,10 +129,16 @@ pub fn shutting_down() -> Status {
 
 /// Reads a request's resource reference into a selector, validating every field.
 fn to_selector(index: usize, r: &pb::ResourceRef) -> Result<Selector, Status> {
-    let input = format!(
-        "group={:?} version={:?} resource={:?} namespace={:?} name={:?}",
-        r.group, r.version, r.resource, r.namespace, r.name
-    );
+    // As the selector would be written, so errors read like the CLI's.
+    let version = if r.version.is_empty() {
+        String::new()
+    } else {
+        format!(".{}", r.version)
+    };
+    let input = match r.namespace.as_str() {
+        "" => format!("{}{version}.{}/{}", r.resource, r.group, r.name),
+        ns => format!("{}{version}.{}/{ns}/{}", r.resource, r.group, r.name),
+    };
     let version = Some(r.version.as_str()).filter(|v| !v.is_empty());
     let kind = KindRef::new(&r.resource, version, &r.group, &input)
         .map_err(|e| parse_status(index, &e))?;
@@ -71,13 +149,19 @@ fn to_selector(index: usize, r: &pb::ResourceRef) -> Result<Selector, Status> {
 /// The native Broker service over a registry.
 pub struct BrokerService<S> {
     registry: Registry<S>,
+    access: Arc<Access>,
     shutdown: CancellationToken,
 }
 
 impl<S: Source> BrokerService<S> {
-    /// A service whose streams end with UNAVAILABLE when `shutdown` is cancelled.
-    pub fn new(registry: Registry<S>, shutdown: CancellationToken) -> Self {
-        BrokerService { registry, shutdown }
+    /// A service whose callers `access` admits, whose streams end with UNAVAILABLE when
+    /// `shutdown` is cancelled.
+    pub fn new(registry: Registry<S>, access: Arc<Access>, shutdown: CancellationToken) -> Self {
+        BrokerService {
+            registry,
+            access,
+            shutdown,
+        }
     }
 
     /// The tonic server for this service.
@@ -96,6 +180,7 @@ impl<S: Source> Broker for BrokerService<S> {
     ) -> Result<Response<Self::SubscribeStream>, Status> {
         let started = Instant::now();
         let drain = drain_of(&request, &self.shutdown);
+        let caller = Caller::of(request.extensions());
         let resources = request.into_inner().resources;
         if resources.is_empty() {
             return Err(Status::invalid_argument(
@@ -113,20 +198,23 @@ impl<S: Source> Broker for BrokerService<S> {
             .enumerate()
             .map(|(i, r)| to_selector(i, r))
             .collect::<Result<Vec<_>, _>>()?;
-        let resolved =
-            futures::future::join_all(selectors.iter().map(|s| self.registry.resolve(s))).await;
-        let mut canonical = Vec::with_capacity(resolved.len());
-        for (i, r) in resolved.into_iter().enumerate() {
-            canonical.push(r.map_err(|e| source_status(i, &e))?);
-        }
+        let Admitted {
+            canonical,
+            subscriptions,
+            ticket,
+        } = admit(&self.registry, &self.access, &caller, &selectors).await?;
         let names: Vec<String> = canonical.iter().map(ToString::to_string).collect();
-        let span =
-            tracing::info_span!("subscription", protocol = "native", selector = %names.join(" "));
+        let span = tracing::info_span!(
+            "subscription",
+            protocol = "native",
+            selector = %names.join(" "),
+            caller = %caller
+        );
         let mut streams: Vec<_> = canonical
             .iter()
+            .zip(subscriptions)
             .enumerate()
-            .map(|(i, selector)| {
-                let subscription = self.registry.subscribe(selector);
+            .map(|(i, (selector, subscription))| {
                 let delivery = Delivery::new(
                     self.registry.metrics().clone(),
                     selector,
@@ -135,7 +223,8 @@ impl<S: Source> Broker for BrokerService<S> {
                     subscription.cold,
                 );
                 let next = native_messages(i as u32, Arc::from(selector.to_string()), delivery);
-                Messages::new(subscription, drain.clone(), span.clone(), next).boxed()
+                let end = End::new(drain.clone(), Some(ticket.clone()));
+                Messages::new(subscription, end, span.clone(), next).boxed()
             })
             .collect();
         // Most subscribers name one resource: skip the merge and its extra wake-up per message.

@@ -165,6 +165,14 @@ impl Drop for Subscription {
     }
 }
 
+/// A new watch was refused: the registry holds the most it may.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("the broker watches {max} resources, the most it watches at once (--max-watches)")]
+pub struct Full {
+    /// The limit.
+    pub max: usize,
+}
+
 /// What the registry knows about one watch, for the admin endpoint and tests.
 #[derive(Debug, Clone, PartialEq)]
 pub struct WatchStatus {
@@ -200,6 +208,7 @@ struct Inner<S> {
     entries: DashMap<Selector, Entry>,
     source: S,
     linger: Duration,
+    max_watches: usize,
     tasks: TaskTracker,
     shutdown: CancellationToken,
     next_id: AtomicU64,
@@ -223,21 +232,24 @@ impl<S: Source> Registry<S> {
     /// A registry over `source`. Watches linger `linger` after their last subscriber leaves and
     /// all stop when `shutdown` is cancelled.
     pub fn new(source: S, linger: Duration, shutdown: CancellationToken) -> Self {
-        Self::with_metrics(source, linger, shutdown, Arc::default())
+        Self::with_metrics(source, linger, shutdown, Arc::default(), usize::MAX)
     }
 
-    /// As [`Registry::new`], recording into `metrics`.
+    /// As [`Registry::new`], recording into `metrics`, with at most `max_watches` resources
+    /// watched at once (see [`Registry::try_subscribe`]).
     pub fn with_metrics(
         source: S,
         linger: Duration,
         shutdown: CancellationToken,
         metrics: Arc<Metrics>,
+        max_watches: usize,
     ) -> Self {
         Registry {
             inner: Arc::new(Inner {
                 entries: DashMap::new(),
                 source,
                 linger,
+                max_watches,
                 tasks: TaskTracker::new(),
                 shutdown,
                 next_id: AtomicU64::new(1),
@@ -263,13 +275,46 @@ impl<S: Source> Registry<S> {
 
     /// Subscribes to a resolved selector, starting its watch if nobody watches it yet.
     pub fn subscribe(&self, selector: &Selector) -> Subscription {
-        if let Some(entry) = self.inner.entries.get(selector) {
-            return Subscription {
-                rx: entry.tx.subscribe(),
-                stats: entry.stats.clone(),
-                cold: false,
-            };
+        self.warm(selector).unwrap_or_else(|| self.start(selector))
+    }
+
+    /// As [`Registry::subscribe`], unless that would start a watch while the registry already
+    /// holds its `max_watches`.
+    pub fn try_subscribe(&self, selector: &Selector) -> Result<Subscription, Full> {
+        if let Some(subscription) = self.warm(selector) {
+            return Ok(subscription);
         }
+        // Counted before the entry's shard is locked (`len` locks every shard in turn), so a
+        // burst of cold subscribes may pass the bound by a few.
+        let max = self.inner.max_watches;
+        if self.inner.entries.len() >= max {
+            return Err(Full { max });
+        }
+        Ok(self.start(selector))
+    }
+
+    /// Whether `selector` is watched now (a subscribe would find its watch warm).
+    pub fn is_watched(&self, selector: &Selector) -> bool {
+        self.inner.entries.contains_key(selector)
+    }
+
+    /// The most resources watched at once.
+    pub fn max_watches(&self) -> usize {
+        self.inner.max_watches
+    }
+
+    /// A subscription to the watch of `selector`, if it is open.
+    fn warm(&self, selector: &Selector) -> Option<Subscription> {
+        self.inner.entries.get(selector).map(|entry| Subscription {
+            rx: entry.tx.subscribe(),
+            stats: entry.stats.clone(),
+            cold: false,
+        })
+    }
+
+    /// A subscription to the watch of `selector`, starting it unless a racing subscribe just
+    /// did.
+    fn start(&self, selector: &Selector) -> Subscription {
         let (subscription, start) = match self.inner.entries.entry(selector.clone()) {
             MapEntry::Occupied(e) => (
                 Subscription {

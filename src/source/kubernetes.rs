@@ -3,11 +3,11 @@
 //! and a WATCH with `fieldSelector=metadata.name=…`, with kube's default backoff.
 
 use std::collections::HashMap;
-use std::sync::{Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use futures::StreamExt;
 use futures::stream::BoxStream;
+use futures::{FutureExt, StreamExt};
 use kube::api::{Api, DynamicObject};
 use kube::core::{ApiResource, GroupVersionKind};
 use kube::runtime::WatchStreamExt;
@@ -15,29 +15,62 @@ use kube::runtime::watcher::{self, watch_object};
 use tokio::time::Instant;
 
 use super::{KindNames, Object, Observed, Source, SourceError};
+use crate::cache::FlightCache;
 use crate::selector::{KindRef, Selector};
 
 /// How long a discovery answer is trusted before it is asked again.
 const DISCOVERY_TTL: Duration = Duration::from_secs(30);
+
+/// How long an answer that something does not exist is trusted: a CRD installed a moment ago is
+/// found this long after, at most, and asking for invented groups or kinds costs at most one
+/// request per this long.
+pub const ABSENT_TTL: Duration = Duration::from_secs(1);
+
+/// How many API group-versions discovery remembers.
+const DISCOVERY_CAPACITY: usize = 1024;
+
+/// The longest a discovery request may take (askers share it, so it must not hang them).
+const DISCOVERY_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Longer than the ~60 s between the API server's bookmarks on a quiet watch, so idle watches
 /// are not cut, but bounded, so a LIST that never answers is retried instead of hanging the
 /// watch forever (kube's default is no read timeout).
 pub const READ_TIMEOUT: Duration = Duration::from_secs(120);
 
-#[derive(Debug, Clone)]
-struct Discovered {
-    names: KindNames,
-    version: String,
+/// The API groups the server serves, with each one's preferred version.
+#[derive(Debug)]
+struct Groups {
+    preferred: HashMap<String, String>,
     at: Instant,
 }
+
+/// The kinds one group-version serves.
+#[derive(Debug)]
+struct GroupVersion {
+    kinds: Vec<KindNames>,
+    at: Instant,
+}
+
+type Discovered<T> = Result<Arc<T>, SourceError>;
 
 /// Custom resources from a Kubernetes API server.
 pub struct Kubernetes {
     client: kube::Client,
     allowed: Vec<KindRef>,
-    discovered: Mutex<HashMap<KindRef, Discovered>>,
+    groups: FlightCache<(), Discovered<Groups>>,
+    group_versions: FlightCache<String, Discovered<GroupVersion>>,
     resources: Mutex<HashMap<(String, String, String), ApiResource>>,
+}
+
+/// A discovery answer with how long it may be served: a while when it worked, briefly when it
+/// says the thing does not exist, not at all (beyond the requests already waiting) when the API
+/// server failed.
+fn ttl<T>(answer: &Discovered<T>) -> Duration {
+    match answer {
+        Ok(_) => DISCOVERY_TTL,
+        Err(SourceError::UnknownKind(_)) => ABSENT_TTL,
+        Err(_) => Duration::ZERO,
+    }
 }
 
 impl Kubernetes {
@@ -46,7 +79,8 @@ impl Kubernetes {
         Kubernetes {
             client,
             allowed,
-            discovered: Mutex::new(HashMap::new()),
+            groups: FlightCache::new(1),
+            group_versions: FlightCache::new(DISCOVERY_CAPACITY),
             resources: Mutex::new(HashMap::new()),
         }
     }
@@ -64,100 +98,137 @@ impl Kubernetes {
         &self.client
     }
 
-    async fn discover(&self, kind: &KindRef) -> Result<Discovered, SourceError> {
-        let cached = self
-            .discovered
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .get(kind)
-            .filter(|d| d.at.elapsed() < DISCOVERY_TTL)
-            .cloned();
-        if let Some(d) = cached {
-            return Ok(d);
+    /// Refuses, without asking the API server, a kind whose group no `--resource` names.
+    fn precheck(&self, kind: &KindRef) -> Result<(), SourceError> {
+        if self.allowed.is_empty() || self.allowed.iter().any(|a| a.group == kind.group) {
+            return Ok(());
         }
+        Err(super::not_allowed(
+            &format!("{}.{}", kind.resource, kind.group),
+            &self.allowed,
+        ))
+    }
+
+    async fn discover(&self, kind: &KindRef) -> Result<(KindNames, String), SourceError> {
+        self.precheck(kind)?;
         let version = match &kind.version {
             Some(v) => v.clone(),
             None => self.preferred_version(&kind.group).await?,
         };
         let group_version = format!("{}/{version}", kind.group);
-        let list = self
-            .client
-            .list_api_group_resources(&group_version)
-            .await
-            .map_err(|e| match e {
-                kube::Error::Api(s) if s.code == 404 => {
-                    SourceError::UnknownKind(format!("the API server serves no {group_version}"))
-                }
-                other => api_error(other),
-            })?;
-        let candidates: Vec<KindNames> = list
-            .resources
-            .iter()
-            .filter(|r| !r.name.contains('/'))
-            .map(|r| KindNames {
-                group: kind.group.clone(),
-                plural: r.name.clone(),
-                singular: r.singular_name.clone(),
-                kind: r.kind.clone(),
-                short_names: r.short_names.clone().unwrap_or_default(),
-                namespaced: r.namespaced,
-            })
-            .collect();
-        let names = candidates
+        let mut listed = self.group_version(&group_version).await?;
+        if !listed.kinds.iter().any(|n| n.answers_to(&kind.resource))
+            && listed.at.elapsed() >= ABSENT_TTL
+        {
+            // Perhaps a CRD added a kind to this group-version since: ask again.
+            self.group_versions.remove(&group_version);
+            listed = self.group_version(&group_version).await?;
+        }
+        let names = listed
+            .kinds
             .iter()
             .find(|n| n.answers_to(&kind.resource))
             .cloned()
             .ok_or_else(|| {
-                let served: Vec<&str> = candidates.iter().map(|n| n.plural.as_str()).collect();
+                let served: Vec<&str> = listed.kinds.iter().map(|n| n.plural.as_str()).collect();
                 SourceError::UnknownKind(format!(
                     "the API server serves no resource {:?} in {group_version} (it serves: {})",
                     kind.resource,
                     served.join(", ")
                 ))
             })?;
-        let found = Discovered {
-            names,
-            version,
-            at: Instant::now(),
-        };
-        self.discovered
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .insert(kind.clone(), found.clone());
         let resource = ApiResource::from_gvk_with_plural(
-            &GroupVersionKind::gvk(&kind.group, &found.version, &found.names.kind),
-            &found.names.plural,
+            &GroupVersionKind::gvk(&kind.group, &version, &names.kind),
+            &names.plural,
         );
         self.resources
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .insert(
-                (
-                    kind.group.clone(),
-                    found.version.clone(),
-                    found.names.plural.clone(),
-                ),
+                (kind.group.clone(), version.clone(), names.plural.clone()),
                 resource,
             );
-        Ok(found)
+        Ok((names, version))
+    }
+
+    async fn group_version(&self, group_version: &str) -> Discovered<GroupVersion> {
+        let client = self.client.clone();
+        let gv = group_version.to_string();
+        self.group_versions
+            .get(&gv.clone(), move || {
+                async move {
+                    let answer = bounded(client.list_api_group_resources(&gv)).await;
+                    let answer = answer
+                        .map_err(|e| match e {
+                            DiscoveryError::Api(kube::Error::Api(s)) if s.code == 404 => {
+                                SourceError::UnknownKind(format!("the API server serves no {gv}"))
+                            }
+                            e => e.into(),
+                        })
+                        .map(|list| {
+                            let group = gv.split_once('/').map(|(g, _)| g).unwrap_or_default();
+                            Arc::new(GroupVersion {
+                                kinds: kind_names(group, &list),
+                                at: Instant::now(),
+                            })
+                        });
+                    let ttl = ttl(&answer);
+                    (answer, ttl)
+                }
+                .boxed()
+            })
+            .await
     }
 
     async fn preferred_version(&self, group: &str) -> Result<String, SourceError> {
-        let groups = self.client.list_api_groups().await.map_err(api_error)?;
-        let g = groups
-            .groups
-            .iter()
-            .find(|g| g.name == group)
-            .ok_or_else(|| {
-                SourceError::UnknownKind(format!("the API server serves no API group {group}"))
-            })?;
-        g.preferred_version
-            .as_ref()
-            .map(|p| p.version.clone())
-            .or_else(|| g.versions.first().map(|v| v.version.clone()))
-            .ok_or_else(|| {
-                SourceError::UnknownKind(format!("API group {group} has no served version"))
+        let mut groups = self.groups().await?;
+        if !groups.preferred.contains_key(group) && groups.at.elapsed() >= ABSENT_TTL {
+            // Perhaps a CRD made this group since: ask again.
+            self.groups.remove(&());
+            groups = self.groups().await?;
+        }
+        match groups.preferred.get(group) {
+            Some(v) if !v.is_empty() => Ok(v.clone()),
+            Some(_) => Err(SourceError::UnknownKind(format!(
+                "API group {group} has no served version"
+            ))),
+            None => Err(SourceError::UnknownKind(format!(
+                "the API server serves no API group {group}"
+            ))),
+        }
+    }
+
+    async fn groups(&self) -> Discovered<Groups> {
+        let client = self.client.clone();
+        self.groups
+            .get(&(), move || {
+                async move {
+                    let answer = bounded(client.list_api_groups()).await.map_err(Into::into);
+                    let answer = answer.map(|list| {
+                        let preferred = list
+                            .groups
+                            .iter()
+                            .map(|g| {
+                                let version = g
+                                    .preferred_version
+                                    .as_ref()
+                                    .map(|p| p.version.clone())
+                                    .or_else(|| g.versions.first().map(|v| v.version.clone()))
+                                    .unwrap_or_default();
+                                (g.name.clone(), version)
+                            })
+                            .collect();
+                        Arc::new(Groups {
+                            preferred,
+                            at: Instant::now(),
+                        })
+                    });
+                    let ttl = ttl(&answer);
+                    (answer, ttl)
+                }
+                .boxed()
             })
+            .await
     }
 
     fn api(&self, selector: &Selector) -> Api<DynamicObject> {
@@ -225,22 +296,85 @@ impl Kubernetes {
     }
 }
 
-/// An API error, by what a subscriber should make of it.
-fn api_error(error: kube::Error) -> SourceError {
-    match error {
-        kube::Error::Api(s) if s.code == 403 => SourceError::Forbidden(s.message),
-        kube::Error::Api(s) if s.code == 404 => SourceError::UnknownKind(s.message),
-        other => SourceError::Unavailable(other.to_string()),
+/// A discovery request that failed or took too long.
+#[derive(Debug)]
+enum DiscoveryError {
+    Api(kube::Error),
+    Timeout,
+}
+
+impl From<DiscoveryError> for SourceError {
+    fn from(error: DiscoveryError) -> Self {
+        match error {
+            DiscoveryError::Api(e) => api_error(e, "API discovery"),
+            DiscoveryError::Timeout => SourceError::Unavailable(format!(
+                "API discovery did not answer within {DISCOVERY_TIMEOUT:?}"
+            )),
+        }
     }
 }
 
-fn watch_error(error: watcher::Error) -> SourceError {
+/// A discovery request, bounded by [`DISCOVERY_TIMEOUT`].
+async fn bounded<T>(
+    request: impl Future<Output = Result<T, kube::Error>>,
+) -> Result<T, DiscoveryError> {
+    match tokio::time::timeout(DISCOVERY_TIMEOUT, request).await {
+        Ok(answer) => answer.map_err(DiscoveryError::Api),
+        Err(_) => Err(DiscoveryError::Timeout),
+    }
+}
+
+/// The kinds an `APIResourceList` describes (subresources left out).
+fn kind_names(
+    group: &str,
+    list: &k8s_openapi::apimachinery::pkg::apis::meta::v1::APIResourceList,
+) -> Vec<KindNames> {
+    list.resources
+        .iter()
+        .filter(|r| !r.name.contains('/'))
+        .map(|r| KindNames {
+            group: group.to_string(),
+            plural: r.name.clone(),
+            singular: r.singular_name.clone(),
+            kind: r.kind.clone(),
+            short_names: r.short_names.clone().unwrap_or_default(),
+            namespaced: r.namespaced,
+        })
+        .collect()
+}
+
+/// An API error about `what`, by what a subscriber should make of it. The API server's own
+/// words are logged, not passed on: its 403 names the broker's identity and rights, which are
+/// none of a client's business.
+fn api_error(error: kube::Error, what: &str) -> SourceError {
+    match error {
+        kube::Error::Api(s) if s.code == 403 => {
+            tracing::warn!(%what, message = %s.message, "the API server refuses the broker");
+            SourceError::Forbidden(format!(
+                "the API server does not let the broker read {what} (forbidden)"
+            ))
+        }
+        kube::Error::Api(s) if s.code == 404 => {
+            SourceError::UnknownKind(format!("the API server has no {what} (404)"))
+        }
+        kube::Error::Api(s) => {
+            tracing::warn!(%what, code = s.code, message = %s.message, "the API server failed");
+            SourceError::Unavailable(format!(
+                "the API server failed on {what} ({} {})",
+                s.code, s.reason
+            ))
+        }
+        other => SourceError::Unavailable(format!("the API server cannot be reached ({other})")),
+    }
+}
+
+fn watch_error(error: watcher::Error, what: &str) -> SourceError {
     match error {
         watcher::Error::InitialListFailed(e)
         | watcher::Error::WatchStartFailed(e)
-        | watcher::Error::WatchFailed(e) => api_error(e),
-        watcher::Error::WatchError(s) if s.code == 403 => SourceError::Forbidden(s.message),
-        other => SourceError::Unavailable(other.to_string()),
+        | watcher::Error::WatchFailed(e) => api_error(e, what),
+        watcher::Error::WatchError(s) => api_error(kube::Error::Api(s), what),
+        other => SourceError::Unavailable(format!("watching {what}: {other}")),
     }
 }
 
@@ -254,10 +388,8 @@ fn to_object(obj: &DynamicObject) -> Object {
 
 impl Source for Kubernetes {
     async fn resolve(&self, selector: &Selector) -> Result<Selector, SourceError> {
-        let found = self.discover(&selector.kind).await?;
-        found
-            .names
-            .canonical(selector, &found.version, &self.allowed)
+        let (names, version) = self.discover(&selector.kind).await?;
+        names.canonical(selector, &version, &self.allowed)
     }
 
     async fn check(&self) -> Result<(), String> {
@@ -266,24 +398,25 @@ impl Source for Kubernetes {
             .await
             .map_err(|e| format!("the API server does not answer: {e}"))?;
         for kind in &self.allowed {
-            let found = self
+            let (names, _) = self
                 .discover(kind)
                 .await
                 .map_err(|e| format!("--resource {kind}: {e}"))?;
             for verb in ["list", "watch"] {
-                self.may(verb, &found.names).await?;
+                self.may(verb, &names).await?;
             }
         }
         Ok(())
     }
 
     fn watch(&self, selector: &Selector) -> BoxStream<'static, Result<Observed, SourceError>> {
+        let what = selector.to_string();
         watch_object(self.api(selector), &selector.name)
             .default_backoff()
-            .map(|item| match item {
+            .map(move |item| match item {
                 Ok(Some(obj)) => Ok(Observed::Present(to_object(&obj))),
                 Ok(None) => Ok(Observed::Absent),
-                Err(e) => Err(watch_error(e)),
+                Err(e) => Err(watch_error(e, &what)),
             })
             .boxed()
     }

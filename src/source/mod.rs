@@ -80,6 +80,16 @@ impl SourceError {
     }
 }
 
+/// The refusal of a kind (`plural.group`, or as the client spelled it) that `--resource` does
+/// not list.
+pub fn not_allowed(kind: &str, allowed: &[KindRef]) -> SourceError {
+    let list: Vec<String> = allowed.iter().map(ToString::to_string).collect();
+    SourceError::NotAllowed(format!(
+        "{kind} is not served by this broker (--resource allows: {})",
+        list.join(", ")
+    ))
+}
+
 /// A source of custom resources.
 pub trait Source: Send + Sync + 'static {
     /// Resolves a selector to its canonical form — the plural and the version filled in —
@@ -142,11 +152,7 @@ impl KindNames {
                     && a.version.as_deref().is_none_or(|v| v == version)
             })
         {
-            let list: Vec<String> = allowed.iter().map(ToString::to_string).collect();
-            return Err(SourceError::NotAllowed(format!(
-                "{qualified} is not served by this broker (--resource allows: {})",
-                list.join(", ")
-            )));
+            return Err(not_allowed(&qualified, allowed));
         }
         match (self.namespaced, &selector.namespace) {
             (true, None) => Err(SourceError::Invalid(format!(

@@ -62,13 +62,15 @@ pub fn broker_at(
         .expect("the broker starts")
 }
 
-/// A broker on `listeners` with `config`, its Kubernetes source the fake, serving `allowed`.
+/// A broker on `listeners` with `config`, its Kubernetes source the fake, serving `allowed`;
+/// its identity sources ask the fake too.
 pub fn broker_with(
     fake: &FakeApiServer,
     listeners: crd_broker::broker::Listeners,
-    config: crd_broker::broker::Config,
+    mut config: crd_broker::broker::Config,
     allowed: Vec<KindRef>,
 ) -> Running<Kubernetes> {
+    config.access.api.get_or_insert_with(|| kube_client(fake));
     Running::start_with(
         listeners,
         Kubernetes::new(kube_client(fake), allowed),
@@ -268,7 +270,12 @@ pub struct Pki {
 
 /// A fresh PKI whose CA is named after `name`.
 pub fn pki(name: &str) -> Pki {
-    use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair};
+    pki_with_client_uri(name, None)
+}
+
+/// As [`pki`], the client certificate also carrying the URI SAN `uri` (a SPIFFE ID, say).
+pub fn pki_with_client_uri(name: &str, uri: Option<&str>) -> Pki {
+    use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair, SanType};
     let ca_key = KeyPair::generate().unwrap();
     let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
     ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
@@ -277,16 +284,19 @@ pub fn pki(name: &str) -> Pki {
         .push(DnType::CommonName, format!("{name} CA"));
     let ca = ca_params.self_signed(&ca_key).unwrap();
     let issuer = Issuer::new(ca_params, ca_key);
-    let leaf = |sans: Vec<String>| {
+    let leaf = |sans: Vec<String>, uri: Option<&str>| {
         let key = KeyPair::generate().unwrap();
-        let cert = CertificateParams::new(sans)
-            .unwrap()
-            .signed_by(&key, &issuer)
-            .unwrap();
+        let mut params = CertificateParams::new(sans).unwrap();
+        if let Some(uri) = uri {
+            params
+                .subject_alt_names
+                .push(SanType::URI(uri.try_into().unwrap()));
+        }
+        let cert = params.signed_by(&key, &issuer).unwrap();
         (cert.pem(), key.serialize_pem())
     };
-    let (server_cert, server_key) = leaf(vec!["localhost".into(), "127.0.0.1".into()]);
-    let (client_cert, client_key) = leaf(vec!["client.example".into()]);
+    let (server_cert, server_key) = leaf(vec!["localhost".into(), "127.0.0.1".into()], None);
+    let (client_cert, client_key) = leaf(vec!["client.example".into()], uri);
     Pki {
         ca: ca.pem(),
         server_cert,
@@ -349,5 +359,203 @@ pub fn write_tls_files(dir: &std::path::Path, pki: &Pki) {
         let tmp = dir.join(format!(".{name}"));
         std::fs::write(&tmp, text).unwrap();
         std::fs::rename(&tmp, dir.join(name)).unwrap();
+    }
+}
+
+/// A FeatureFlag `name` in namespace `ns` whose flag `f` defaults to `variant`.
+pub fn flag_in(ns: &str, name: &str, variant: &str) -> Value {
+    let mut f = flag(name, variant);
+    f["metadata"]["namespace"] = json!(ns);
+    f
+}
+
+/// `featureflags.core.openfeature.dev/<ns>/<name>`.
+pub fn ff(ns: &str, name: &str) -> String {
+    format!("featureflags.core.openfeature.dev/{ns}/{name}")
+}
+
+/// Runs a pod in the fake, as a kubelet would report it: Running, with `ip` (use 127.0.0.x to
+/// stand for pods on loopback), under the service account `sa`. Returns its UID.
+pub fn run_pod(fake: &FakeApiServer, ns: &str, name: &str, sa: &str, ip: &str) -> String {
+    fake.apply(json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": { "name": name, "namespace": ns },
+        "spec": { "serviceAccountName": sa, "containers": [{ "name": "app", "image": "app" }] },
+    }))
+    .expect("the pod is created");
+    let pod = fake
+        .merge_patch_status(
+            "v1",
+            "pods",
+            ns,
+            name,
+            json!({ "status": { "phase": "Running", "podIP": ip, "podIPs": [{ "ip": ip }] } }),
+        )
+        .expect("its status is set");
+    pod["metadata"]["uid"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string()
+}
+
+/// A Broker client whose connection comes from `ip` (127.0.0.x: a different pod).
+pub async fn connect_from(addr: std::net::SocketAddr, ip: &str) -> BrokerClient<Channel> {
+    BrokerClient::new(channel_from(addr, ip).await)
+}
+
+/// A channel to `addr` from the source address `ip`.
+pub async fn channel_from(addr: std::net::SocketAddr, ip: &str) -> Channel {
+    tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .local_address(Some(ip.parse().unwrap()))
+        .connect()
+        .await
+        .expect("connects")
+}
+
+/// A TCP forwarder on 127.0.0.1 whose connections reach `to` from the source address `from`:
+/// an unmodified client pointed at it is, to the broker, the pod at `from`. It runs until the
+/// test ends.
+pub async fn forwarder(from: &str, to: std::net::SocketAddr) -> std::net::SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let from: std::net::IpAddr = from.parse().unwrap();
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut inbound, _)) = listener.accept().await else {
+                return;
+            };
+            tokio::spawn(async move {
+                let socket = tokio::net::TcpSocket::new_v4().unwrap();
+                socket.bind(std::net::SocketAddr::new(from, 0)).unwrap();
+                let Ok(mut outbound) = socket.connect(to).await else {
+                    return;
+                };
+                let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+            });
+        }
+    });
+    addr
+}
+
+/// A broker on 127.0.0.1:0 (with an admin port) on the fake, with these access settings and
+/// a linger of zero.
+pub async fn broker_with_access(
+    fake: &FakeApiServer,
+    access: crd_broker::access::Settings,
+) -> Running<Kubernetes> {
+    let config = crd_broker::broker::Config {
+        linger: Duration::ZERO,
+        access,
+        ..Default::default()
+    };
+    let listeners = crd_broker::broker::Listeners {
+        tcp: Some(TcpListener::bind("127.0.0.1:0").await.unwrap()),
+        admin: Some(TcpListener::bind("127.0.0.1:0").await.unwrap()),
+        ..Default::default()
+    };
+    broker_with(fake, listeners, config, vec![])
+}
+
+/// `/metrics` text as sample → value.
+pub fn scrape(text: &str) -> std::collections::BTreeMap<String, f64> {
+    text.lines()
+        .filter(|l| !l.starts_with('#') && !l.is_empty())
+        .filter_map(|l| {
+            let (k, v) = l.rsplit_once(' ')?;
+            Some((k.to_string(), v.parse().ok()?))
+        })
+        .collect()
+}
+
+/// The broker's metrics, scraped from its admin port.
+pub async fn metrics(admin: std::net::SocketAddr) -> std::collections::BTreeMap<String, f64> {
+    let (code, body) = http_get(admin, "/metrics").await;
+    assert_eq!(code, 200);
+    scrape(&body)
+}
+
+/// One sample's value (0 when absent).
+pub fn get(m: &std::collections::BTreeMap<String, f64>, key: &str) -> f64 {
+    m.get(key).copied().unwrap_or(0.0)
+}
+
+/// A codec that sends and receives message bytes as they are: for calling any method with any
+/// bytes (garbage, oversized, invented paths).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RawCodec;
+
+impl tonic::codec::Codec for RawCodec {
+    type Encode = bytes::Bytes;
+    type Decode = bytes::Bytes;
+    type Encoder = RawCodec;
+    type Decoder = RawCodec;
+
+    fn encoder(&mut self) -> Self::Encoder {
+        RawCodec
+    }
+
+    fn decoder(&mut self) -> Self::Decoder {
+        RawCodec
+    }
+}
+
+impl tonic::codec::Encoder for RawCodec {
+    type Item = bytes::Bytes;
+    type Error = tonic::Status;
+
+    fn encode(
+        &mut self,
+        item: bytes::Bytes,
+        dst: &mut tonic::codec::EncodeBuf<'_>,
+    ) -> Result<(), tonic::Status> {
+        bytes::BufMut::put(dst, item);
+        Ok(())
+    }
+}
+
+impl tonic::codec::Decoder for RawCodec {
+    type Item = bytes::Bytes;
+    type Error = tonic::Status;
+
+    fn decode(
+        &mut self,
+        src: &mut tonic::codec::DecodeBuf<'_>,
+    ) -> Result<Option<bytes::Bytes>, tonic::Status> {
+        let n = bytes::Buf::remaining(src);
+        Ok(Some(bytes::Buf::copy_to_bytes(src, n)))
+    }
+}
+
+/// Calls `path` on `channel` with `body` as the request message and `metadata`: the first
+/// response message, or the status the call ends with.
+pub async fn raw_call(
+    channel: Channel,
+    path: &str,
+    body: impl Into<bytes::Bytes>,
+    metadata: &[(&'static str, &str)],
+) -> Result<bytes::Bytes, tonic::Status> {
+    let mut grpc = tonic::client::Grpc::new(channel);
+    grpc.ready()
+        .await
+        .map_err(|e| tonic::Status::unavailable(e.to_string()))?;
+    let mut request = tonic::Request::new(body.into());
+    for (k, v) in metadata {
+        request
+            .metadata_mut()
+            .insert(*k, tonic::metadata::MetadataValue::try_from(*v).unwrap());
+    }
+    let path = http::uri::PathAndQuery::try_from(path).unwrap();
+    let mut stream = grpc
+        .server_streaming(request, path, RawCodec)
+        .await?
+        .into_inner();
+    match tokio::time::timeout(WAIT, stream.message()).await {
+        Ok(Ok(Some(message))) => Ok(message),
+        Ok(Ok(None)) => Err(tonic::Status::ok("ended without a message")),
+        Ok(Err(status)) => Err(status),
+        Err(_) => Err(tonic::Status::deadline_exceeded(
+            "no message within the wait",
+        )),
     }
 }

@@ -30,7 +30,22 @@ pub struct Kind {
     pub verbs: &'static [&'static str],
     /// Whether objects are stored (false for review kinds, which only answer a create).
     pub stored: bool,
+    /// Fields a `fieldSelector` may name besides `metadata.name` and `metadata.namespace`, each
+    /// with the value an object that lacks it has (as the real server converts them).
+    pub selectable_fields: &'static [(&'static str, &'static str)],
 }
+
+/// The fields pods can be selected by (the API's pod field label conversion).
+pub const POD_FIELDS: &[(&str, &str)] = &[
+    ("spec.nodeName", ""),
+    ("spec.restartPolicy", ""),
+    ("spec.schedulerName", ""),
+    ("spec.serviceAccountName", ""),
+    ("spec.hostNetwork", "false"),
+    ("status.phase", ""),
+    ("status.podIP", ""),
+    ("status.nominatedNodeName", ""),
+];
 
 /// One served version of a kind.
 #[derive(Debug, Clone, PartialEq)]
@@ -166,6 +181,7 @@ impl Kind {
             versions,
             verbs: STORED_VERBS,
             stored: true,
+            selectable_fields: &[],
         })
     }
 
@@ -206,6 +222,7 @@ impl Kind {
             }],
             verbs: STORED_VERBS,
             stored: true,
+            selectable_fields: &[],
         }
     }
 
@@ -233,12 +250,46 @@ impl Kind {
                 "create", "delete", "get", "list", "patch", "update", "watch",
             ],
             stored: true,
+            selectable_fields: &[],
+        }
+    }
+
+    /// The core `v1` `Pod` kind, with the pod field selectors (`status.podIP`, …) and a status
+    /// subresource, as a kubelet writes it. Nothing runs the pods: tests set their status.
+    pub fn pod_kind() -> Kind {
+        Kind {
+            group: String::new(),
+            plural: "pods".into(),
+            singular: "pod".into(),
+            kind: "Pod".into(),
+            list_kind: "PodList".into(),
+            short_names: vec!["po".into()],
+            categories: vec!["all".into()],
+            namespaced: true,
+            versions: vec![Version {
+                name: "v1".into(),
+                schema: None,
+                status_subresource: true,
+                printer_columns: vec![
+                    json!({ "name": "Status", "type": "string", "jsonPath": ".status.phase" }),
+                    json!({ "name": "IP", "type": "string", "jsonPath": ".status.podIP" }),
+                    json!({ "name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp" }),
+                ],
+            }],
+            verbs: STORED_VERBS,
+            stored: true,
+            selectable_fields: POD_FIELDS,
         }
     }
 
     /// Whether this is a built-in kind (served by the API server itself, not by a CRD).
     pub fn is_builtin(&self) -> bool {
-        self.is_crd() || self.is_namespace() || !self.stored
+        self.is_crd() || self.is_namespace() || self.is_pod() || !self.stored
+    }
+
+    /// Whether this is the core `Pod` kind.
+    pub fn is_pod(&self) -> bool {
+        self.group.is_empty() && self.plural == "pods"
     }
 
     /// Whether this is the core `Namespace` kind.
@@ -270,6 +321,7 @@ impl Kind {
             }],
             verbs: &["create"],
             stored: false,
+            selectable_fields: &[],
         }
     }
 }

@@ -145,6 +145,9 @@ pub struct TokenUser {
     /// Audiences the token is valid for; empty means the API server's own.
     #[serde(default)]
     pub audiences: Vec<String>,
+    /// Extra attributes, e.g. `authentication.kubernetes.io/pod-name` for a pod-bound token.
+    #[serde(default)]
+    pub extra: std::collections::BTreeMap<String, Vec<String>>,
 }
 
 impl TokenUser {
@@ -160,7 +163,22 @@ impl TokenUser {
                 "system:authenticated".into(),
             ],
             audiences: Vec::new(),
+            extra: Default::default(),
         }
+    }
+
+    /// The same user, bound to a pod (as a projected service-account token is): the pod's name
+    /// and UID in `extra`, as the real TokenReview reports them.
+    pub fn bound_to_pod(mut self, name: &str, uid: &str) -> Self {
+        self.extra.insert(
+            "authentication.kubernetes.io/pod-name".into(),
+            vec![name.to_string()],
+        );
+        self.extra.insert(
+            "authentication.kubernetes.io/pod-uid".into(),
+            vec![uid.to_string()],
+        );
+        self
     }
 
     /// Restricts the token to these audiences.

@@ -303,7 +303,10 @@ async fn resource(
             "the server does not allow this method on the requested resource",
         ));
     }
-    let fields = FieldSelector::parse(params.get("fieldSelector").unwrap_or(""))?;
+    let fields = FieldSelector::parse(
+        params.get("fieldSelector").unwrap_or(""),
+        kind.selectable_fields,
+    )?;
     let labels = LabelSelector::parse(params.get("labelSelector").unwrap_or(""))?;
     let user = user_of(shared, &parts.headers);
     let attrs = Attributes {

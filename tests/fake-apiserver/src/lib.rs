@@ -194,6 +194,7 @@ impl FakeApiServer {
         );
         state.add_kind(Kind::crd_kind());
         state.add_kind(Kind::namespace_kind());
+        state.add_kind(Kind::pod_kind());
         for (group, plural, kind, namespaced) in reviews::KINDS {
             state.add_kind(Kind::review_kind(group, plural, kind, *namespaced));
         }
@@ -385,6 +386,26 @@ impl FakeApiServer {
             .shared
             .state()
             .patch(&scope, name, store::Patch::Merge(patch), &opts, false)?
+            .object)
+    }
+
+    /// Applies a JSON merge patch to an object's `status` subresource, as a controller or the
+    /// kubelet would (main-resource writes keep the old status of kinds that have one).
+    pub fn merge_patch_status(
+        &self,
+        group_version: &str,
+        plural: &str,
+        namespace: &str,
+        name: &str,
+        patch: Value,
+    ) -> Result<Value, ApiError> {
+        let (group, version) = group_version.split_once('/').unwrap_or(("", group_version));
+        let scope = self.scope(group, version, plural, Some(namespace))?;
+        let opts = store::WriteOpts::default();
+        Ok(self
+            .shared
+            .state()
+            .patch(&scope, name, store::Patch::Merge(patch), &opts, true)?
             .object)
     }
 

@@ -159,5 +159,8 @@ fn token(shared: &Shared, spec: &Value) -> Result<Value> {
     if !user.uid.is_empty() {
         user_info["uid"] = json!(user.uid);
     }
+    if !user.extra.is_empty() {
+        user_info["extra"] = json!(user.extra);
+    }
     Ok(json!({ "authenticated": true, "user": user_info, "audiences": granted }))
 }

@@ -1,5 +1,6 @@
-//! Field and label selectors, parsed and matched as `k8s.io/apimachinery` does for custom
-//! resources: `metadata.name` / `metadata.namespace` fields, and label equality and set requirements.
+//! Field and label selectors, parsed and matched as `k8s.io/apimachinery` does:
+//! `metadata.name` / `metadata.namespace` fields (and a kind's own selectable fields, such as a
+//! pod's `status.podIP`), and label equality and set requirements.
 
 use serde_json::Value;
 
@@ -17,6 +18,8 @@ struct FieldTerm {
 enum FieldPath {
     Name,
     Namespace,
+    /// A kind's own field (dotted path), and its value when an object lacks it.
+    Other(&'static str, &'static str),
 }
 
 /// A parsed `fieldSelector` (all terms must hold).
@@ -26,9 +29,12 @@ pub struct FieldSelector {
 }
 
 impl FieldSelector {
-    /// Parses `metadata.name=a,metadata.namespace!=b`; other fields are a 400, as for CRDs
-    /// without `selectableFields`.
-    pub fn parse(text: &str) -> Result<Self, ApiError> {
+    /// Parses `metadata.name=a,metadata.namespace!=b`, and the fields in `selectable` (path,
+    /// value when absent); other fields are a 400, as for CRDs without `selectableFields`.
+    pub fn parse(
+        text: &str,
+        selectable: &[(&'static str, &'static str)],
+    ) -> Result<Self, ApiError> {
         let mut terms = Vec::new();
         for part in text.split(',').map(str::trim).filter(|p| !p.is_empty()) {
             let (field, value, equal) = if let Some((f, v)) = part.split_once("!=") {
@@ -45,11 +51,14 @@ impl FieldSelector {
             let field = match field.trim() {
                 "metadata.name" => FieldPath::Name,
                 "metadata.namespace" => FieldPath::Namespace,
-                other => {
-                    return Err(ApiError::bad_request(format!(
-                        "field label not supported: {other}"
-                    )));
-                }
+                other => match selectable.iter().find(|(path, _)| *path == other) {
+                    Some((path, absent)) => FieldPath::Other(path, absent),
+                    None => {
+                        return Err(ApiError::bad_request(format!(
+                            "field label not supported: {other}"
+                        )));
+                    }
+                },
             };
             terms.push(FieldTerm {
                 field,
@@ -63,11 +72,21 @@ impl FieldSelector {
     /// Whether the object's metadata satisfies every term.
     pub fn matches(&self, obj: &Value) -> bool {
         self.terms.iter().all(|t| {
-            let key = match t.field {
-                FieldPath::Name => "name",
-                FieldPath::Namespace => "namespace",
+            let actual = match t.field {
+                FieldPath::Name => obj["metadata"]["name"].as_str().unwrap_or("").to_string(),
+                FieldPath::Namespace => obj["metadata"]["namespace"]
+                    .as_str()
+                    .unwrap_or("")
+                    .to_string(),
+                FieldPath::Other(path, absent) => {
+                    match path.split('.').fold(obj, |v, key| &v[key]) {
+                        Value::String(s) => s.clone(),
+                        Value::Bool(b) => b.to_string(),
+                        Value::Number(n) => n.to_string(),
+                        _ => absent.to_string(),
+                    }
+                }
             };
-            let actual = obj["metadata"][key].as_str().unwrap_or("");
             (actual == t.value) == t.equal
         })
     }
@@ -243,13 +262,14 @@ mod tests {
 
     #[test]
     fn field_selector_matches_name_and_namespace() {
-        let s = FieldSelector::parse("metadata.name=a,metadata.namespace!=kube-system").unwrap();
+        let s =
+            FieldSelector::parse("metadata.name=a,metadata.namespace!=kube-system", &[]).unwrap();
         assert!(s.matches(&obj("a", "default", json!({}))));
         assert!(!s.matches(&obj("a", "kube-system", json!({}))));
         assert!(!s.matches(&obj("b", "default", json!({}))));
         assert_eq!(s.exact_name(), Some("a"));
         assert_eq!(
-            FieldSelector::parse("metadata.name==a")
+            FieldSelector::parse("metadata.name==a", &[])
                 .unwrap()
                 .exact_name(),
             Some("a")
@@ -257,8 +277,21 @@ mod tests {
     }
 
     #[test]
+    fn pod_fields_are_selectable_with_their_absent_values() {
+        let fields = crate::crd::POD_FIELDS;
+        let pod = json!({ "metadata": { "name": "p" }, "spec": {}, "status": { "podIP": "10.0.0.5", "phase": "Running" } });
+        let sel = |s: &str| FieldSelector::parse(s, fields).unwrap().matches(&pod);
+        assert!(sel("status.podIP=10.0.0.5"));
+        assert!(!sel("status.podIP=10.0.0.6"));
+        assert!(sel("status.podIP=10.0.0.5,status.phase=Running"));
+        assert!(sel("spec.hostNetwork=false"));
+        assert!(!sel("spec.hostNetwork=true"));
+        assert!(FieldSelector::parse("status.podIP=1", &[]).is_err());
+    }
+
+    #[test]
     fn field_selector_rejects_unsupported_fields() {
-        let err = FieldSelector::parse("spec.x=1").unwrap_err();
+        let err = FieldSelector::parse("spec.x=1", &[]).unwrap_err();
         assert_eq!(err.code(), 400);
         assert!(format!("{err:?}").contains("field label not supported: spec.x"));
     }

@@ -1343,3 +1343,148 @@ async fn status_subresource_and_finalizers_behave_as_on_a_real_server() {
     .unwrap();
     assert!(matches!(api.get("s").await, Err(kube::Error::Api(s)) if s.code == 404));
 }
+
+#[tokio::test]
+async fn pods_are_found_by_ip_listed_across_namespaces_and_watched() {
+    use k8s_openapi::api::core::v1::Pod;
+    let fake = start().await;
+    let client = client(&fake);
+    for (ns, name, ip, phase) in [
+        ("team-a", "web-1", "10.0.0.5", "Running"),
+        ("team-b", "job-1", "10.0.0.5", "Succeeded"),
+        ("team-b", "api-1", "10.0.0.6", "Running"),
+    ] {
+        fake.apply(json!({
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": { "name": name, "namespace": ns },
+            "spec": { "serviceAccountName": "web", "containers": [{ "name": "c", "image": "x" }] },
+            "status": { "phase": "Pending" },
+        }))
+        .unwrap();
+        let pod = fake.get("v1", "pods", ns, name).unwrap();
+        assert!(
+            pod["status"].is_null(),
+            "create drops the status, as for pods"
+        );
+        fake.merge_patch_status(
+            "v1",
+            "pods",
+            ns,
+            name,
+            json!({ "status": { "phase": phase, "podIP": ip } }),
+        )
+        .unwrap();
+    }
+    let pods: Api<Pod> = Api::all(client.clone());
+    let by_ip = |ip: &str| ListParams::default().fields(&format!("status.podIP={ip}"));
+    let found = pods.list(&by_ip("10.0.0.5")).await.unwrap();
+    let mut names: Vec<String> = found.items.iter().map(|p| p.name_any()).collect();
+    names.sort();
+    assert_eq!(names, ["job-1", "web-1"]);
+    let running = pods
+        .list(&ListParams::default().fields("status.podIP=10.0.0.5,status.phase=Running"))
+        .await
+        .unwrap();
+    assert_eq!(running.items.len(), 1);
+    assert_eq!(
+        running.items[0]
+            .spec
+            .as_ref()
+            .unwrap()
+            .service_account_name
+            .as_deref(),
+        Some("web")
+    );
+    assert_eq!(
+        pods.list(&ListParams::default().fields("spec.hostNetwork=false"))
+            .await
+            .unwrap()
+            .items
+            .len(),
+        3,
+        "an unset hostNetwork selects as false"
+    );
+    let bad = pods
+        .list(&ListParams::default().fields("status.hostIP=1"))
+        .await
+        .unwrap_err();
+    assert!(matches!(bad, kube::Error::Api(s) if s.code == 400));
+    let in_ns: Api<Pod> = Api::namespaced(client.clone(), "team-b");
+    assert_eq!(
+        in_ns
+            .list(&ListParams::default())
+            .await
+            .unwrap()
+            .items
+            .len(),
+        2
+    );
+
+    // A watch by IP sees a pod take the IP and another give it up.
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let stream = watcher(
+        pods.clone(),
+        watcher::Config::default().fields("status.podIP=10.0.0.7"),
+    );
+    tokio::spawn(async move {
+        let mut stream = std::pin::pin!(stream);
+        while let Some(e) = stream.next().await {
+            if tx.send(e).is_err() {
+                return;
+            }
+        }
+    });
+    loop {
+        if let Ok(Event::InitDone) = rx.recv().await.unwrap() {
+            break;
+        }
+    }
+    fake.merge_patch_status(
+        "v1",
+        "pods",
+        "team-b",
+        "api-1",
+        json!({ "status": { "podIP": "10.0.0.7" } }),
+    )
+    .unwrap();
+    let added = tokio::time::timeout(Duration::from_secs(5), rx.recv())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    assert!(matches!(added, Event::Apply(p) if p.name_any() == "api-1"));
+    fake.delete("v1", "pods", "team-b", "api-1").unwrap();
+    let deleted = tokio::time::timeout(Duration::from_secs(5), rx.recv())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    assert!(matches!(deleted, Event::Delete(p) if p.name_any() == "api-1"));
+}
+
+#[tokio::test]
+async fn pod_bound_tokens_carry_the_pod_in_the_review() {
+    let fake = start().await;
+    fake.register_token(
+        TokenUser::service_account("bound", "team-a", "web")
+            .with_audiences(&["crd-broker"])
+            .bound_to_pod("web-1", "uid-1"),
+    );
+    let tokens: Api<TokenReview> = Api::all(client(&fake));
+    let review = TokenReview {
+        spec: TokenReviewSpec {
+            token: "bound".into(),
+            audiences: Some(vec!["crd-broker".into()]),
+        },
+        ..TokenReview::default()
+    };
+    let status = tokens
+        .create(&PostParams::default(), &review)
+        .await
+        .unwrap()
+        .status
+        .unwrap();
+    let extra = status.user.unwrap().extra.unwrap();
+    assert_eq!(extra["authentication.kubernetes.io/pod-name"], ["web-1"]);
+    assert_eq!(extra["authentication.kubernetes.io/pod-uid"], ["uid-1"]);
+}

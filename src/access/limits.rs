@@ -1,0 +1,188 @@
+//! Per-caller limits: streams open at once (`--max-streams-per-caller`) and new watches per
+//! second (`--new-watch-rate`, a token bucket of `--new-watch-burst`), so that one caller cannot
+//! exhaust the broker or the API server for everyone else.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, PoisonError};
+
+use tokio::time::Instant;
+
+use crate::telemetry::Limit;
+
+/// The limits.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Config {
+    /// Streams one caller may have open at once.
+    pub max_streams_per_caller: usize,
+    /// New watches one caller may start per second, on average.
+    pub new_watch_rate: f64,
+    /// New watches one caller may start at once.
+    pub new_watch_burst: f64,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            max_streams_per_caller: DEFAULT_MAX_STREAMS_PER_CALLER,
+            new_watch_rate: DEFAULT_NEW_WATCH_RATE,
+            new_watch_burst: DEFAULT_NEW_WATCH_BURST,
+        }
+    }
+}
+
+/// The default `--max-streams-per-caller`: a pod with a few sidecars holds a few streams.
+pub const DEFAULT_MAX_STREAMS_PER_CALLER: usize = 1000;
+/// The default `--new-watch-rate`.
+pub const DEFAULT_NEW_WATCH_RATE: f64 = 20.0;
+/// The default `--new-watch-burst`: two full Subscribe requests of cold resources.
+pub const DEFAULT_NEW_WATCH_BURST: f64 = 200.0;
+
+/// Above this many callers tracked, idle ones are forgotten.
+const TRACKED: usize = 10_000;
+
+#[derive(Debug)]
+struct Account {
+    streams: usize,
+    tokens: f64,
+    at: Instant,
+}
+
+/// What every caller has used.
+#[derive(Debug)]
+pub struct Limits {
+    config: Config,
+    accounts: Arc<Mutex<HashMap<String, Account>>>,
+}
+
+/// One open stream of a caller's, counted until dropped.
+#[derive(Debug)]
+pub struct Slot {
+    key: Option<String>,
+    accounts: Arc<Mutex<HashMap<String, Account>>>,
+}
+
+impl Limits {
+    /// Limits as configured.
+    pub fn new(config: Config) -> Self {
+        Limits {
+            config,
+            accounts: Arc::default(),
+        }
+    }
+
+    /// Counts a new stream of the caller `key` (`None`: a caller the limits do not apply to)
+    /// that starts `new_watches` watches, or says which limit it would break.
+    pub fn admit(&self, key: Option<String>, new_watches: usize) -> Result<Slot, (Limit, String)> {
+        let Some(key) = key else {
+            return Ok(Slot {
+                key: None,
+                accounts: self.accounts.clone(),
+            });
+        };
+        let c = self.config;
+        let mut accounts = self.accounts.lock().unwrap_or_else(PoisonError::into_inner);
+        let now = Instant::now();
+        if accounts.len() > TRACKED {
+            accounts.retain(|_, a| a.streams > 0 || refilled(a, &c, now) < c.new_watch_burst);
+        }
+        let account = accounts.entry(key.clone()).or_insert(Account {
+            streams: 0,
+            tokens: c.new_watch_burst,
+            at: now,
+        });
+        if account.streams >= c.max_streams_per_caller {
+            return Err((
+                Limit::StreamsPerCaller,
+                format!(
+                    "this caller has {} streams open, the most one caller may (--max-streams-per-caller)",
+                    account.streams
+                ),
+            ));
+        }
+        account.tokens = refilled(account, &c, now);
+        account.at = now;
+        let wanted = new_watches as f64;
+        if wanted > account.tokens {
+            return Err((
+                Limit::NewWatchRate,
+                format!(
+                    "this request starts {new_watches} new watches; this caller may start {} now and {} per second (--new-watch-rate, --new-watch-burst)",
+                    account.tokens.floor(),
+                    c.new_watch_rate
+                ),
+            ));
+        }
+        account.tokens -= wanted;
+        account.streams += 1;
+        Ok(Slot {
+            key: Some(key),
+            accounts: self.accounts.clone(),
+        })
+    }
+}
+
+fn refilled(account: &Account, c: &Config, now: Instant) -> f64 {
+    let elapsed = now.saturating_duration_since(account.at).as_secs_f64();
+    (account.tokens + elapsed * c.new_watch_rate).min(c.new_watch_burst)
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        let Some(key) = &self.key else { return };
+        let mut accounts = self.accounts.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(a) = accounts.get_mut(key) {
+            a.streams = a.streams.saturating_sub(1);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    fn limits(streams: usize, rate: f64, burst: f64) -> Limits {
+        Limits::new(Config {
+            max_streams_per_caller: streams,
+            new_watch_rate: rate,
+            new_watch_burst: burst,
+        })
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn streams_are_counted_per_caller_until_dropped() {
+        let l = limits(2, 100.0, 100.0);
+        let a1 = l.admit(Some("a".into()), 0).unwrap();
+        let _a2 = l.admit(Some("a".into()), 0).unwrap();
+        let (limit, why) = l.admit(Some("a".into()), 0).unwrap_err();
+        assert_eq!(limit, Limit::StreamsPerCaller);
+        assert!(why.contains("2 streams"), "{why}");
+        let _b = l
+            .admit(Some("b".into()), 0)
+            .expect("another caller is not held back");
+        drop(a1);
+        l.admit(Some("a".into()), 0).expect("a slot came free");
+        for _ in 0..10 {
+            std::mem::forget(l.admit(None, 0).expect("exempt callers are not counted"));
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn new_watches_drain_a_bucket_that_refills_at_the_rate() {
+        let l = limits(1000, 10.0, 20.0);
+        let key = || Some("a".to_string());
+        let _s = l.admit(key(), 15).unwrap();
+        let (limit, _) = l.admit(key(), 6).unwrap_err();
+        assert_eq!(limit, Limit::NewWatchRate);
+        let _s = l.admit(key(), 5).unwrap();
+        assert!(l.admit(key(), 1).is_err());
+        tokio::time::advance(Duration::from_millis(500)).await;
+        let _s = l.admit(key(), 5).unwrap();
+        assert!(l.admit(key(), 1).is_err());
+        tokio::time::advance(Duration::from_secs(60)).await;
+        assert!(l.admit(key(), 21).is_err(), "never more than the burst");
+        let _s = l.admit(key(), 20).unwrap();
+        let _w = l.admit(key(), 0).expect("warm subscriptions cost nothing");
+    }
+}

@@ -1,0 +1,700 @@
+//! Who the caller is and what it may read: identity sources, the policy, and the limits that
+//! keep one caller from starving the others.
+//!
+//! The transport hands every request its connection's [`Peer`]. With identity on, the
+//! per-connection [`Authenticate`] layer tries the `--identity` sources in order and puts the
+//! [`Caller`] the first one names into the request's extensions, or answers UNAUTHENTICATED
+//! (UNAVAILABLE when a source could not ask the API server). The services then ask [`Access`]
+//! whether that caller may read what it names ([`Access::precheck`] before anything is resolved,
+//! [`Access::authorize`] after) and to admit the stream within the limits
+//! ([`Access::admit`]), which gives a [`Ticket`] the stream holds: it counts the stream, and
+//! ends it with PERMISSION_DENIED if a reloaded policy no longer lets the caller read it.
+//!
+//! Identity off (`--identity none`) keeps the broker open, as before this layer: every caller
+//! is [`Caller::Anonymous`], the policy does not apply, and the limits count callers by peer IP.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::net::IpAddr;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
+use std::time::Duration;
+
+use http::HeaderMap;
+use tokio_util::sync::CancellationToken;
+use tonic::Status;
+
+use crate::conn::{Peer, PeerAddr};
+use crate::selector::Selector;
+use crate::telemetry::{
+    Denial, DenialLabels, IdentifiedBy, IdentifyLabels, IdentifyResult, LimitLabels, Metrics,
+    ReloadLabels, ReloadResult,
+};
+
+pub mod identity;
+mod layer;
+pub mod limits;
+pub mod peer_pod;
+pub mod policy;
+pub mod token;
+
+pub use identity::{IdentityList, IdentitySource};
+pub use layer::Authenticate;
+
+use peer_pod::{Found, PeerPods};
+use policy::Policy;
+use token::{Reviewed, Tokens};
+
+/// The default `--token-audience`.
+pub const DEFAULT_TOKEN_AUDIENCE: &str = "crd-broker";
+
+/// The addresses a local mesh proxy delivers from by default: Istio's inbound passthrough
+/// (`127.0.0.6`), and loopback for older Istio and for Linkerd.
+pub const DEFAULT_MESH_PROXIES: &[&str] = &["127.0.0.1", "127.0.0.6", "::1"];
+
+/// How the access layer is configured.
+#[derive(Clone)]
+pub struct Settings {
+    /// `--identity`: the sources to try, in order; empty: identity off.
+    pub identity: IdentityList,
+    /// `--policy`: the policy file; `None`: the default policy (own namespace only).
+    pub policy: Option<PathBuf>,
+    /// How often the policy file is read for changes.
+    pub policy_reload_interval: Duration,
+    /// `--token-audience`: the audiences a TokenReview asks for.
+    pub token_audiences: Vec<String>,
+    /// `--mesh-proxy-addr`: the addresses whose mesh headers are trusted.
+    pub mesh_proxies: Vec<IpAddr>,
+    /// `--trust-domain`: the only SPIFFE trust domain accepted, if set.
+    pub trust_domain: Option<String>,
+    /// Per-caller limits.
+    pub limits: limits::Config,
+    /// The Kubernetes API, for `peer-pod` and `token` (`None` on the manifests source).
+    pub api: Option<kube::Client>,
+    /// Whether the TLS listener asks for client certificates (`--tls-client-ca`), which `mtls`
+    /// needs.
+    pub client_certificates: bool,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Settings {
+            identity: IdentityList::default(),
+            policy: None,
+            policy_reload_interval: Duration::from_secs(2),
+            token_audiences: vec![DEFAULT_TOKEN_AUDIENCE.to_string()],
+            mesh_proxies: DEFAULT_MESH_PROXIES
+                .iter()
+                .filter_map(|a| a.parse().ok())
+                .collect(),
+            trust_domain: None,
+            limits: limits::Config::default(),
+            api: None,
+            client_certificates: false,
+        }
+    }
+}
+
+impl fmt::Debug for Settings {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Settings")
+            .field("identity", &self.identity)
+            .field("policy", &self.policy)
+            .field("token_audiences", &self.token_audiences)
+            .field("mesh_proxies", &self.mesh_proxies)
+            .field("trust_domain", &self.trust_domain)
+            .field("limits", &self.limits)
+            .field("api", &self.api.is_some())
+            .finish()
+    }
+}
+
+/// A pod, as `peer-pod` and pod-bound tokens name it.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct PodRef {
+    /// Its name.
+    pub name: String,
+    /// Its UID: a new pod on a reused IP has another.
+    pub uid: String,
+}
+
+/// A workload: a service account in a namespace, and the pod when the source knows it.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Workload {
+    /// The namespace.
+    pub namespace: String,
+    /// The service account.
+    pub service_account: String,
+    /// The pod, when the source names it (`peer-pod`, pod-bound tokens).
+    pub pod: Option<PodRef>,
+    /// Otherwise something unique to one instance (a certificate's hash), for the limits.
+    pub instance: Option<String>,
+}
+
+/// Who is calling.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum Caller {
+    /// Identity is off; the peer's IP (none on a unix socket), for the limits.
+    Anonymous {
+        /// The peer's IP.
+        ip: Option<IpAddr>,
+    },
+    /// A workload, and the source that identified it.
+    Workload(Workload),
+    /// A local process over the unix socket, with its user id if the kernel said.
+    Local {
+        /// `SO_PEERCRED`'s uid.
+        uid: Option<u32>,
+    },
+}
+
+impl Caller {
+    /// The caller a request is: the one [`Authenticate`] put in its extensions, else
+    /// (identity off) an anonymous one at the connection's peer.
+    pub fn of(extensions: &http::Extensions) -> Caller {
+        if let Some(caller) = extensions.get::<Caller>() {
+            return caller.clone();
+        }
+        Caller::Anonymous {
+            ip: extensions.get::<Peer>().and_then(Peer::ip),
+        }
+    }
+
+    /// The key the limits count this caller under: the most specific thing known about it;
+    /// `None` where it stands for many callers at once (with identity off, a local proxy at
+    /// one of `proxies`, or a unix socket), which per-caller limits would lump together.
+    fn limit_key(&self, proxies: &[IpAddr]) -> Option<String> {
+        match self {
+            Caller::Anonymous { ip: Some(ip) } if !proxies.contains(ip) => Some(format!("ip:{ip}")),
+            Caller::Anonymous { .. } => None,
+            Caller::Workload(w) => Some(match (&w.pod, &w.instance) {
+                (Some(pod), _) => format!("pod:{}/{}/{}", w.namespace, pod.name, pod.uid),
+                (None, Some(instance)) => {
+                    format!("sa:{}/{}#{instance}", w.namespace, w.service_account)
+                }
+                (None, None) => format!("sa:{}/{}", w.namespace, w.service_account),
+            }),
+            Caller::Local { uid } => Some(format!("unix:{}", uid.map_or(-1, i64::from))),
+        }
+    }
+}
+
+impl fmt::Display for Caller {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Caller::Anonymous { ip: Some(ip) } => write!(f, "anonymous ({ip})"),
+            Caller::Anonymous { ip: None } => f.write_str("anonymous (unix socket)"),
+            Caller::Workload(w) => {
+                write!(f, "{}/{}", w.namespace, w.service_account)?;
+                if let Some(pod) = &w.pod {
+                    write!(f, " (pod {})", pod.name)?;
+                }
+                Ok(())
+            }
+            Caller::Local { uid: Some(uid) } => write!(f, "unix:{uid}"),
+            Caller::Local { uid: None } => f.write_str("unix:?"),
+        }
+    }
+}
+
+/// What the access layer knows about one connection: its peer, and the caller a per-connection
+/// source (`peer-pod`, `mtls`) found, kept once found.
+pub struct ConnIdentity {
+    peer: Peer,
+    pod: OnceLock<Workload>,
+    certificate: OnceLock<Result<Workload, String>>,
+}
+
+/// What one source made of a request.
+enum Outcome {
+    Identified(Caller),
+    Unidentified(String),
+    Failed(String),
+}
+
+/// Open streams, for revocation when the policy changes.
+type Open = Mutex<
+    HashMap<
+        u64,
+        (
+            Caller,
+            Vec<Selector>,
+            CancellationToken,
+            Arc<OnceLock<String>>,
+        ),
+    >,
+>;
+
+/// The access layer.
+pub struct Access {
+    settings: Settings,
+    peer_pods: Option<PeerPods>,
+    tokens: Option<Tokens>,
+    policy: policy::Current,
+    limits: limits::Limits,
+    open: Arc<Open>,
+    next_ticket: AtomicU64,
+    metrics: Arc<Metrics>,
+}
+
+impl Access {
+    /// Identity off, no policy, default limits: what tests and the manifests quickstart run.
+    pub fn open(metrics: Arc<Metrics>) -> Arc<Access> {
+        let policy = policy::Current::fixed(Policy::default());
+        Self::assemble(Settings::default(), policy, metrics)
+    }
+
+    /// The access layer `settings` describe; refuses settings that cannot work: a source that
+    /// needs the API server without one, `mtls` without client certificates checked, a policy
+    /// without identity, a policy file that does not parse.
+    pub fn new(settings: Settings, metrics: Arc<Metrics>) -> anyhow::Result<Arc<Access>> {
+        let sources = &settings.identity.0;
+        if let Some(s) = sources.iter().find(|s| s.needs_api())
+            && settings.api.is_none()
+        {
+            anyhow::bail!(
+                "--identity {s} asks the Kubernetes API, which a broker serving --manifests does not have; use mtls or mesh, or leave identity off"
+            );
+        }
+        if sources.is_empty() && settings.policy.is_some() {
+            anyhow::bail!(
+                "--policy needs --identity: with identity off every caller is anonymous and the policy could not apply"
+            );
+        }
+        if sources.contains(&IdentitySource::Mtls) && !settings.client_certificates {
+            anyhow::bail!(
+                "--identity mtls needs client certificates: give --tls-client-ca (with --tls-cert and --tls-key)"
+            );
+        }
+        let reloads = metrics.clone();
+        let policy = match &settings.policy {
+            None => policy::Current::fixed(Policy::default()),
+            Some(path) => policy::Current::watch_file(
+                path.clone(),
+                settings.policy_reload_interval,
+                move |result| {
+                    let result = match result {
+                        Ok(_) => ReloadResult::Loaded,
+                        Err(_) => ReloadResult::Refused,
+                    };
+                    reloads
+                        .policy_reloads
+                        .get_or_create(&ReloadLabels { result })
+                        .inc();
+                },
+            )
+            .map_err(anyhow::Error::msg)?,
+        };
+        Ok(Self::assemble(settings, policy, metrics))
+    }
+
+    fn assemble(settings: Settings, policy: policy::Current, metrics: Arc<Metrics>) -> Arc<Access> {
+        let with = |s: IdentitySource| settings.identity.0.contains(&s);
+        let peer_pods = with(IdentitySource::PeerPod)
+            .then(|| settings.api.clone().map(PeerPods::new))
+            .flatten();
+        let tokens = with(IdentitySource::Token)
+            .then(|| {
+                settings
+                    .api
+                    .clone()
+                    .map(|api| Tokens::new(api, settings.token_audiences.clone()))
+            })
+            .flatten();
+        let access = Arc::new(Access {
+            limits: limits::Limits::new(settings.limits),
+            settings,
+            peer_pods,
+            tokens,
+            policy,
+            open: Arc::default(),
+            next_ticket: AtomicU64::new(1),
+            metrics,
+        });
+        access.spawn_revocations();
+        access
+    }
+
+    /// Whether callers are identified (`--identity` is not `none`).
+    pub fn identifies(&self) -> bool {
+        !self.settings.identity.0.is_empty()
+    }
+
+    /// The policy in force.
+    pub fn policy(&self) -> Arc<Policy> {
+        self.policy.get()
+    }
+
+    /// API requests the identity sources have made: pod lookups and token reviews.
+    pub fn api_requests(&self) -> (u64, u64) {
+        (
+            self.peer_pods.as_ref().map_or(0, PeerPods::lookups),
+            self.tokens.as_ref().map_or(0, Tokens::reviews),
+        )
+    }
+
+    /// The state of a new connection.
+    pub fn connection(&self, peer: &Peer) -> Arc<ConnIdentity> {
+        Arc::new(ConnIdentity {
+            peer: peer.clone(),
+            pod: OnceLock::new(),
+            certificate: OnceLock::new(),
+        })
+    }
+
+    /// Who is calling: the first `--identity` source that says, else a local caller on a unix
+    /// socket, else UNAUTHENTICATED naming what was tried (UNAVAILABLE if a source could not
+    /// ask the API server, so that clients retry).
+    pub async fn identify(
+        &self,
+        conn: &ConnIdentity,
+        headers: &HeaderMap,
+    ) -> Result<Caller, Status> {
+        let mut tried = Vec::new();
+        let mut failed = false;
+        for &source in &self.settings.identity.0 {
+            let outcome = match source {
+                IdentitySource::PeerPod => self.by_peer_pod(conn).await,
+                IdentitySource::Token => self.by_token(headers).await,
+                IdentitySource::Mtls => self.by_certificate(conn),
+                IdentitySource::Mesh => self.by_mesh(conn, headers),
+            };
+            match outcome {
+                Outcome::Identified(caller) => {
+                    self.count_identification(
+                        IdentifiedBy::from(source),
+                        IdentifyResult::Identified,
+                    );
+                    return Ok(caller);
+                }
+                Outcome::Unidentified(why) => tried.push(format!("{source}: {why}")),
+                Outcome::Failed(why) => {
+                    failed = true;
+                    tried.push(format!("{source}: {why}"));
+                }
+            }
+        }
+        if let PeerAddr::Unix { uid, .. } = conn.peer.addr {
+            self.count_identification(IdentifiedBy::Unix, IdentifyResult::Identified);
+            return Ok(Caller::Local { uid });
+        }
+        let from = conn.peer.ip().map(|ip| ip.to_string()).unwrap_or_default();
+        if failed {
+            self.count_identification(IdentifiedBy::Nothing, IdentifyResult::Failed);
+            return Err(Status::unavailable(format!(
+                "cannot identify the caller at {from} now: {}; retry",
+                tried.join("; ")
+            )));
+        }
+        self.count_identification(IdentifiedBy::Nothing, IdentifyResult::Unidentified);
+        Err(Status::unauthenticated(format!(
+            "no identity source identifies the caller at {from}: {}",
+            tried.join("; ")
+        )))
+    }
+
+    fn count_identification(&self, source: IdentifiedBy, result: IdentifyResult) {
+        self.metrics
+            .identifications
+            .get_or_create(&IdentifyLabels { source, result })
+            .inc();
+    }
+
+    async fn by_peer_pod(&self, conn: &ConnIdentity) -> Outcome {
+        if let Some(w) = conn.pod.get() {
+            return Outcome::Identified(Caller::Workload(w.clone()));
+        }
+        let Some(ip) = conn.peer.ip() else {
+            return Outcome::Unidentified("not a TCP connection".into());
+        };
+        let Some(pods) = &self.peer_pods else {
+            return Outcome::Failed("no Kubernetes API".into());
+        };
+        match pods.find(ip).await {
+            Found::Pod(w) => {
+                // A racing request on the same connection may have set it: either is the pod.
+                let w = conn.pod.get_or_init(|| w).clone();
+                Outcome::Identified(Caller::Workload(w))
+            }
+            Found::Nobody(why) => Outcome::Unidentified(why),
+            Found::Failed(why) => Outcome::Failed(why),
+        }
+    }
+
+    async fn by_token(&self, headers: &HeaderMap) -> Outcome {
+        let Some(value) = headers.get(http::header::AUTHORIZATION) else {
+            return Outcome::Unidentified("no authorization header".into());
+        };
+        let token = value
+            .to_str()
+            .ok()
+            .and_then(|v| {
+                v.strip_prefix("Bearer ")
+                    .or_else(|| v.strip_prefix("bearer "))
+            })
+            .map(str::trim)
+            .filter(|t| !t.is_empty());
+        let Some(token) = token else {
+            return Outcome::Unidentified(
+                "the authorization header is not `Bearer <token>`".into(),
+            );
+        };
+        let Some(tokens) = &self.tokens else {
+            return Outcome::Failed("no Kubernetes API".into());
+        };
+        match tokens.review(token).await {
+            Reviewed::ServiceAccount(w) => Outcome::Identified(Caller::Workload(w)),
+            Reviewed::Refused(why) => Outcome::Unidentified(why),
+            Reviewed::Failed(why) => Outcome::Failed(why),
+        }
+    }
+
+    fn by_certificate(&self, conn: &ConnIdentity) -> Outcome {
+        let found = conn.certificate.get_or_init(|| {
+            let Some(chain) = &conn.peer.client_certs else {
+                return Err("no client certificate".into());
+            };
+            let leaf = chain.first().ok_or("no client certificate")?;
+            let sa = identity::certificate_spiffe_id(leaf, self.settings.trust_domain.as_deref())?;
+            Ok(Workload {
+                namespace: sa.namespace,
+                service_account: sa.name,
+                pod: None,
+                instance: Some(fingerprint(leaf)),
+            })
+        });
+        match found {
+            Ok(w) => Outcome::Identified(Caller::Workload(w.clone())),
+            Err(why) => Outcome::Unidentified(why.clone()),
+        }
+    }
+
+    fn by_mesh(&self, conn: &ConnIdentity, headers: &HeaderMap) -> Outcome {
+        let from_proxy = conn
+            .peer
+            .ip()
+            .is_some_and(|ip| self.settings.mesh_proxies.contains(&ip));
+        if !from_proxy {
+            // Anyone can send the headers; only the local proxy's are believed.
+            return Outcome::Unidentified(
+                "not from a local mesh proxy address (--mesh-proxy-addr); its mesh headers are ignored"
+                    .into(),
+            );
+        }
+        let joined = |name: &str| {
+            let values: Vec<&str> = headers
+                .get_all(name)
+                .iter()
+                .filter_map(|v| v.to_str().ok())
+                .collect();
+            (!values.is_empty()).then(|| values.join(","))
+        };
+        let found = if let Some(xfcc) = joined("x-forwarded-client-cert") {
+            identity::xfcc(&xfcc, self.settings.trust_domain.as_deref())
+                .map(|sa| (sa, Some(xfcc_hash(&xfcc))))
+        } else if let Some(id) = headers.get("l5d-client-id").and_then(|v| v.to_str().ok()) {
+            identity::l5d_client_id(id).map(|sa| (sa, None))
+        } else {
+            Err("no x-forwarded-client-cert or l5d-client-id header".into())
+        };
+        match found {
+            Ok((sa, instance)) => Outcome::Identified(Caller::Workload(Workload {
+                namespace: sa.namespace,
+                service_account: sa.name,
+                pod: None,
+                instance,
+            })),
+            Err(why) => Outcome::Unidentified(why),
+        }
+    }
+
+    /// Refuses, before anything is resolved, a caller who may read nothing in the selector's
+    /// namespace: PERMISSION_DENIED naming the caller and the namespace, the same whether or
+    /// not the resource exists.
+    pub fn precheck(&self, caller: &Caller, selector: &Selector) -> Result<(), Status> {
+        if self
+            .policy
+            .get()
+            .may_read_in(caller, selector.namespace.as_deref())
+        {
+            return Ok(());
+        }
+        Err(self.denied(caller, selector, Denial::Namespace))
+    }
+
+    /// Refuses a caller who may not read the resolved `selector`'s kind there.
+    pub fn authorize(&self, caller: &Caller, selector: &Selector) -> Result<(), Status> {
+        if self.policy.get().may_read(caller, selector) {
+            return Ok(());
+        }
+        Err(self.denied(caller, selector, Denial::Kind))
+    }
+
+    fn denied(&self, caller: &Caller, selector: &Selector, reason: Denial) -> Status {
+        let reason = match (reason, &selector.namespace) {
+            (_, None) => Denial::ClusterScoped,
+            (r, Some(_)) => r,
+        };
+        self.metrics
+            .denials
+            .get_or_create(&DenialLabels { reason })
+            .inc();
+        Status::permission_denied(denial_message(caller, selector))
+    }
+
+    /// Admits a stream of `caller`'s over the resolved `selectors`, of which `new_watches` are
+    /// not watched yet, within the per-caller limits (RESOURCE_EXHAUSTED naming the limit).
+    pub fn admit(
+        &self,
+        caller: &Caller,
+        selectors: &[Selector],
+        new_watches: usize,
+    ) -> Result<Ticket, Status> {
+        let slot = self
+            .limits
+            .admit(caller.limit_key(&self.settings.mesh_proxies), new_watches)
+            .map_err(|(limit, why)| {
+                self.metrics
+                    .limit_hits
+                    .get_or_create(&LimitLabels { limit })
+                    .inc();
+                Status::resource_exhausted(format!("{caller}: {why}"))
+            })?;
+        let revoked = CancellationToken::new();
+        let reason = Arc::new(OnceLock::new());
+        let id = self.next_ticket.fetch_add(1, Ordering::Relaxed);
+        // Streams of anonymous callers are never revoked: no policy applies to them.
+        let registered = self.identifies();
+        if registered {
+            self.open
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .insert(
+                    id,
+                    (
+                        caller.clone(),
+                        selectors.to_vec(),
+                        revoked.clone(),
+                        reason.clone(),
+                    ),
+                );
+        }
+        Ok(Ticket {
+            _slot: slot,
+            id,
+            open: registered.then(|| self.open.clone()),
+            revoked,
+            reason,
+        })
+    }
+
+    /// Counts a request refused by `limit`.
+    pub fn count_limit(&self, limit: crate::telemetry::Limit) {
+        self.metrics
+            .limit_hits
+            .get_or_create(&LimitLabels { limit })
+            .inc();
+    }
+
+    /// Re-checks every open stream whenever the policy changes, ending those it no longer
+    /// allows.
+    fn spawn_revocations(self: &Arc<Self>) {
+        let mut policy = self.policy.clone();
+        let access = Arc::downgrade(self);
+        tokio::spawn(async move {
+            while policy.changed().await {
+                let Some(access) = access.upgrade() else {
+                    return;
+                };
+                access.revoke_what_the_policy_forbids();
+            }
+        });
+    }
+
+    fn revoke_what_the_policy_forbids(&self) {
+        let policy = self.policy.get();
+        let open = self.open.lock().unwrap_or_else(PoisonError::into_inner);
+        for (caller, selectors, revoked, reason) in open.values() {
+            if let Some(s) = selectors.iter().find(|s| !policy.may_read(caller, s)) {
+                let _ = reason.set(format!("{}; the policy changed", denial_message(caller, s)));
+                self.metrics
+                    .denials
+                    .get_or_create(&DenialLabels {
+                        reason: Denial::Revoked,
+                    })
+                    .inc();
+                revoked.cancel();
+            }
+        }
+    }
+}
+
+fn denial_message(caller: &Caller, selector: &Selector) -> String {
+    match &selector.namespace {
+        Some(ns) => format!(
+            "{caller} may not read {}.{} in namespace {ns}: no policy grant covers it",
+            selector.kind.resource, selector.kind.group
+        ),
+        None => format!(
+            "{caller} may not read cluster-scoped {}.{}: no policy grant covers it",
+            selector.kind.resource, selector.kind.group
+        ),
+    }
+}
+
+/// A short hash of a certificate, to tell instances of one service account apart in the limits.
+fn fingerprint(der: &[u8]) -> String {
+    let digest = ring::digest::digest(&ring::digest::SHA256, der);
+    digest.as_ref()[..8]
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// The `Hash=` of the last XFCC element (the client certificate's hash), else a hash of it all.
+fn xfcc_hash(header: &str) -> String {
+    let last = header.rsplit(',').next().unwrap_or(header);
+    last.split(';')
+        .filter_map(|p| p.split_once('='))
+        .find(|(k, _)| k.trim().eq_ignore_ascii_case("hash"))
+        .map(|(_, v)| v.trim().chars().take(16).collect())
+        .unwrap_or_else(|| fingerprint(last.as_bytes()))
+}
+
+/// A stream's admission: it counts the stream against its caller's limit while it lives, and
+/// [`Ticket::revoked`] resolves when a reloaded policy no longer lets the caller read it.
+pub struct Ticket {
+    _slot: limits::Slot,
+    id: u64,
+    open: Option<Arc<Open>>,
+    revoked: CancellationToken,
+    reason: Arc<OnceLock<String>>,
+}
+
+impl Ticket {
+    /// Resolves with PERMISSION_DENIED if the stream is revoked; never otherwise.
+    pub fn revoked(&self) -> impl Future<Output = Status> + Send + 'static {
+        let revoked = self.revoked.clone();
+        let reason = self.reason.clone();
+        async move {
+            revoked.cancelled().await;
+            Status::permission_denied(
+                reason
+                    .get()
+                    .cloned()
+                    .unwrap_or_else(|| "access revoked".into()),
+            )
+        }
+    }
+}
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        if let Some(open) = &self.open {
+            open.lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .remove(&self.id);
+        }
+    }
+}

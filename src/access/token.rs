@@ -1,0 +1,202 @@
+//! `token`: `authorization: Bearer <token>` verified by a TokenReview for the broker's audiences.
+//! Answers are cached by the token's SHA-256 (never the token itself) until the token expires,
+//! at most [`MAX_TTL`]; refusals for [`REFUSED_TTL`], so a client repeating a bad token costs one
+//! review per that long; the cache is bounded.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use futures::FutureExt;
+use k8s_openapi::api::authentication::v1::{TokenReview, TokenReviewSpec};
+use kube::api::{Api, PostParams};
+
+use super::{PodRef, Workload};
+use crate::cache::FlightCache;
+
+/// The longest a verified token is trusted without asking again.
+pub const MAX_TTL: Duration = Duration::from_secs(300);
+
+/// How long a refused token stays refused without asking again.
+pub const REFUSED_TTL: Duration = Duration::from_secs(10);
+
+/// How many tokens the cache holds.
+const CAPACITY: usize = 10_000;
+
+/// The longest a review may take.
+const REVIEW_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The longest token looked at (projected tokens are about 1 KiB).
+pub const MAX_TOKEN: usize = 16 * 1024;
+
+/// What a review said.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Reviewed {
+    /// The token is a service account's (with its pod, for a pod-bound token).
+    ServiceAccount(Workload),
+    /// It is not: why.
+    Refused(String),
+    /// The review failed: why.
+    Failed(String),
+}
+
+/// Token reviews, cached.
+pub struct Tokens {
+    client: kube::Client,
+    audiences: Vec<String>,
+    cache: FlightCache<[u8; 32], Reviewed>,
+    reviews: Arc<AtomicU64>,
+}
+
+impl Tokens {
+    /// Reviews through `client` for `audiences`.
+    pub fn new(client: kube::Client, audiences: Vec<String>) -> Self {
+        Tokens {
+            client,
+            audiences,
+            cache: FlightCache::new(CAPACITY),
+            reviews: Arc::default(),
+        }
+    }
+
+    /// Reviews made so far (API requests).
+    pub fn reviews(&self) -> u64 {
+        self.reviews.load(Ordering::Relaxed)
+    }
+
+    /// Who `token` belongs to.
+    pub async fn review(&self, token: &str) -> Reviewed {
+        if token.len() > MAX_TOKEN {
+            return Reviewed::Refused(format!(
+                "the bearer token is {} bytes, longer than any Kubernetes token",
+                token.len()
+            ));
+        }
+        let digest = ring::digest::digest(&ring::digest::SHA256, token.as_bytes());
+        let mut key = [0u8; 32];
+        key.copy_from_slice(digest.as_ref());
+        let client = self.client.clone();
+        let audiences = self.audiences.clone();
+        let reviews = self.reviews.clone();
+        let token = token.to_string();
+        self.cache
+            .get(&key, move || {
+                async move {
+                    reviews.fetch_add(1, Ordering::Relaxed);
+                    let reviewed = review(client, &token, audiences).await;
+                    let ttl = match &reviewed {
+                        Reviewed::ServiceAccount(_) => expiry(&token)
+                            .and_then(|exp| exp.duration_since(SystemTime::now()).ok())
+                            .unwrap_or(MAX_TTL)
+                            .min(MAX_TTL),
+                        Reviewed::Refused(_) => REFUSED_TTL,
+                        Reviewed::Failed(_) => Duration::ZERO,
+                    };
+                    (reviewed, ttl)
+                }
+                .boxed()
+            })
+            .await
+    }
+}
+
+async fn review(client: kube::Client, token: &str, audiences: Vec<String>) -> Reviewed {
+    let reviews: Api<TokenReview> = Api::all(client);
+    let request = TokenReview {
+        spec: TokenReviewSpec {
+            token: token.to_string(),
+            audiences: Some(audiences),
+        },
+        ..TokenReview::default()
+    };
+    let params = PostParams::default();
+    let answer = tokio::time::timeout(REVIEW_TIMEOUT, reviews.create(&params, &request));
+    let status = match answer.await {
+        Ok(Ok(review)) => review.status.unwrap_or_default(),
+        Ok(Err(kube::Error::Api(s))) => {
+            tracing::warn!(code = s.code, message = %s.message, "a TokenReview failed");
+            return Reviewed::Failed(format!("the TokenReview failed ({} {})", s.code, s.reason));
+        }
+        Ok(Err(e)) => return Reviewed::Failed(format!("the TokenReview failed ({e})")),
+        Err(_) => {
+            return Reviewed::Failed(format!(
+                "the TokenReview did not answer within {REVIEW_TIMEOUT:?}"
+            ));
+        }
+    };
+    if status.authenticated != Some(true) {
+        // The API server's error says why (expired, wrong audience); it is about the caller's
+        // own token, so it may be passed on, bounded.
+        let why = status.error.unwrap_or_else(|| "not authenticated".into());
+        return Reviewed::Refused(format!(
+            "the bearer token was refused: {}",
+            crate::selector::quote(&why)
+        ));
+    }
+    let user = status.user.unwrap_or_default();
+    let username = user.username.unwrap_or_default();
+    let Some((namespace, service_account)) = username
+        .strip_prefix("system:serviceaccount:")
+        .and_then(|rest| rest.split_once(':'))
+    else {
+        return Reviewed::Refused(format!(
+            "the bearer token is user {}'s, not a service account's",
+            crate::selector::quote(&username)
+        ));
+    };
+    let extra = user.extra.unwrap_or_default();
+    let first = |key: &str| extra.get(key).and_then(|v| v.first()).cloned();
+    let pod = match (
+        first("authentication.kubernetes.io/pod-name"),
+        first("authentication.kubernetes.io/pod-uid"),
+    ) {
+        (Some(name), Some(uid)) => Some(PodRef { name, uid }),
+        _ => None,
+    };
+    Reviewed::ServiceAccount(Workload {
+        namespace: namespace.to_string(),
+        service_account: service_account.to_string(),
+        pod,
+        instance: None,
+    })
+}
+
+/// A JWT's `exp` claim, read without verifying (the API server has just verified the token).
+pub fn expiry(token: &str) -> Option<SystemTime> {
+    use base64::Engine;
+    let payload = token.split('.').nth(1)?;
+    let bytes = base64::engine::general_purpose::URL_SAFE_NO_PAD
+        .decode(payload.trim_end_matches('='))
+        .ok()?;
+    let claims: serde_json::Value = serde_json::from_slice(&bytes).ok()?;
+    let exp = claims["exp"].as_u64()?;
+    Some(UNIX_EPOCH + Duration::from_secs(exp))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use base64::Engine;
+
+    fn jwt(claims: serde_json::Value) -> String {
+        let b64 = |v: &[u8]| base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(v);
+        format!(
+            "{}.{}.{}",
+            b64(br#"{"alg":"RS256"}"#),
+            b64(claims.to_string().as_bytes()),
+            b64(b"signature")
+        )
+    }
+
+    #[test]
+    fn a_jwt_says_when_it_expires() {
+        let token = jwt(serde_json::json!({ "exp": 2_000_000_000u64, "sub": "x" }));
+        assert_eq!(
+            expiry(&token),
+            Some(UNIX_EPOCH + Duration::from_secs(2_000_000_000))
+        );
+        assert_eq!(expiry("opaque-token"), None);
+        assert_eq!(expiry(&jwt(serde_json::json!({ "sub": "x" }))), None);
+        assert_eq!(expiry("a.!!!.c"), None);
+    }
+}

@@ -1,0 +1,602 @@
+//! Who may read what, end to end through real gRPC on loopback against the fake API server:
+//! every identity source, every policy rule, IP reuse, policy reloads, and that the broker is no
+//! oracle. Clients connect from 127.0.0.x source addresses to be different pods.
+
+mod support;
+
+use std::time::Duration;
+
+use crd_broker::access::{IdentityList, Settings};
+use crd_broker::pb::subscribe_response::Event;
+use fake_apiserver::TokenUser;
+use support::*;
+use tonic::Code;
+use tonic::metadata::MetadataValue;
+
+/// team-a/web-1 at 127.0.0.2, team-b/api-1 at 127.0.0.3, a FeatureFlag `f` in team-a,
+/// team-b and shared.
+async fn tenants() -> fake_apiserver::FakeApiServer {
+    let fake = fake().await;
+    run_pod(&fake, "team-a", "web-1", "web", "127.0.0.2");
+    run_pod(&fake, "team-b", "api-1", "api", "127.0.0.3");
+    for ns in ["team-a", "team-b", "shared"] {
+        fake.apply(flag_in(ns, "f", "on")).unwrap();
+    }
+    fake
+}
+
+fn settings(identity: &str) -> Settings {
+    Settings {
+        identity: identity.parse::<IdentityList>().unwrap(),
+        ..Settings::default()
+    }
+}
+
+/// A policy file in a temporary directory.
+fn policy_file(text: &str) -> (tempfile::TempDir, std::path::PathBuf) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("policy.yaml");
+    std::fs::write(&path, text).unwrap();
+    (dir, path)
+}
+
+/// Replaces the file by a rename, as a ConfigMap volume update does.
+fn rewrite(path: &std::path::Path, text: &str) {
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, text).unwrap();
+    std::fs::rename(&tmp, path).unwrap();
+}
+
+/// The status a Subscribe of `selector` is refused with.
+async fn refusal(
+    client: &mut crd_broker::pb::broker_client::BrokerClient<tonic::transport::Channel>,
+    selector: &str,
+) -> tonic::Status {
+    client.subscribe(request(&[selector])).await.unwrap_err()
+}
+
+const SHARED_FOR_TEAM_B: &str = "grants:\n  - from: team-b\n    read: [shared]\n";
+
+#[tokio::test]
+async fn peer_pod_identifies_callers_by_ip_and_each_reads_what_the_policy_grants() {
+    let fake = tenants().await;
+    let (_dir, policy) = policy_file(SHARED_FOR_TEAM_B);
+    let broker = broker_with_access(
+        &fake,
+        Settings {
+            policy: Some(policy),
+            ..settings("peer-pod")
+        },
+    )
+    .await;
+
+    let mut a = connect_from(broker.addr, "127.0.0.2").await;
+    let mut own = subscribe(&mut a, &[&ff("team-a", "f")]).await;
+    assert!(is(&next(&mut own).await, Event::Snapshot, "on"));
+    let denied = refusal(&mut a, &ff("team-b", "f")).await;
+    assert_eq!(
+        denied.code(),
+        Code::PermissionDenied,
+        "{}",
+        denied.message()
+    );
+    assert!(
+        denied.message().contains("team-a/web (pod web-1)")
+            && denied.message().contains("namespace team-b"),
+        "names the caller and the namespace: {}",
+        denied.message()
+    );
+    // The same answer whether or not the resource exists: the broker is no oracle.
+    let missing = refusal(&mut a, &ff("team-b", "no-such-flag")).await;
+    assert_eq!(
+        (missing.code(), missing.message()),
+        (denied.code(), denied.message())
+    );
+    assert_eq!(
+        refusal(&mut a, &ff("shared", "f")).await.code(),
+        Code::PermissionDenied,
+        "shared is granted to team-b only"
+    );
+    // Refused before anything is resolved: a namespace the caller may not read costs no API call.
+    fake.clear_requests();
+    let invented = refusal(&mut a, "things.nowhere.example/team-b/x").await;
+    assert_eq!(invented.code(), Code::PermissionDenied);
+    let discovery: Vec<_> = fake
+        .requests()
+        .into_iter()
+        .filter(|r| r.path.starts_with("/apis"))
+        .collect();
+    assert!(discovery.is_empty(), "{discovery:?}");
+
+    let mut b = connect_from(broker.addr, "127.0.0.3").await;
+    let mut shared = subscribe(&mut b, &[&ff("shared", "f")]).await;
+    assert!(is(&next(&mut shared).await, Event::Snapshot, "on"));
+    assert_eq!(
+        refusal(&mut b, &ff("team-a", "f")).await.code(),
+        Code::PermissionDenied
+    );
+
+    // A peer no pod has: unauthenticated, naming what was tried; health still answers it.
+    let mut stranger = connect_from(broker.addr, "127.0.0.9").await;
+    let unknown = refusal(&mut stranger, &ff("team-a", "f")).await;
+    assert_eq!(unknown.code(), Code::Unauthenticated);
+    assert!(
+        unknown
+            .message()
+            .contains("peer-pod: no running pod has IP 127.0.0.9"),
+        "{}",
+        unknown.message()
+    );
+    let mut health = tonic_health::pb::health_client::HealthClient::new(
+        channel_from(broker.addr, "127.0.0.9").await,
+    );
+    health
+        .check(tonic_health::pb::HealthCheckRequest::default())
+        .await
+        .expect("health is open to everyone");
+
+    // The subscriptions that were allowed go on.
+    fake.merge_patch(GV, "featureflags", "team-a", "f", variant_patch("off"))
+        .unwrap();
+    assert!(is(&next(&mut own).await, Event::Updated, "off"));
+    let m = metrics(broker.admin_addr.unwrap()).await;
+    assert!(
+        get(
+            &m,
+            r#"crd_broker_identifications_total{source="peer_pod",result="identified"}"#
+        ) >= 2.0
+    );
+    assert!(get(&m, r#"crd_broker_denials_total{reason="namespace"}"#) >= 4.0);
+    assert_eq!(
+        get(
+            &m,
+            r#"crd_broker_identifications_total{source="none",result="unidentified"}"#
+        ),
+        1.0
+    );
+}
+
+#[tokio::test]
+async fn a_storm_of_connections_from_one_pod_costs_one_lookup_and_a_connection_resolves_once() {
+    let fake = tenants().await;
+    let broker = broker_with_access(&fake, settings("peer-pod")).await;
+    fake.clear_requests();
+    let storms: Vec<_> = (0..50)
+        .map(|_| {
+            let addr = broker.addr;
+            tokio::spawn(async move {
+                let mut c = connect_from(addr, "127.0.0.2").await;
+                let mut s = subscribe(&mut c, &[&ff("team-a", "f")]).await;
+                next(&mut s).await;
+                // More requests on the same connection ask nobody.
+                for _ in 0..5 {
+                    let mut again = subscribe(&mut c, &[&ff("team-a", "f")]).await;
+                    next(&mut again).await;
+                }
+            })
+        })
+        .collect();
+    for s in storms {
+        s.await.unwrap();
+    }
+    let lookups = fake.request_count("list", "/api/v1/pods");
+    assert_eq!(
+        lookups, 1,
+        "300 subscriptions on 50 connections from one pod"
+    );
+    assert_eq!(broker.access.api_requests().0, 1);
+}
+
+#[tokio::test]
+async fn a_new_pod_on_a_reused_ip_is_recognised_within_five_seconds() {
+    let fake = tenants().await;
+    run_pod(&fake, "team-a", "old", "web", "127.0.0.4");
+    let broker = broker_with_access(&fake, settings("peer-pod")).await;
+    let mut old = connect_from(broker.addr, "127.0.0.4").await;
+    let mut s = subscribe(&mut old, &[&ff("team-a", "f")]).await;
+    next(&mut s).await;
+
+    fake.delete("v1", "pods", "team-a", "old").unwrap();
+    let new_uid = run_pod(&fake, "team-b", "new", "api", "127.0.0.4");
+    assert!(!new_uid.is_empty());
+    let reused = std::time::Instant::now();
+    let recognised = loop {
+        let mut c = connect_from(broker.addr, "127.0.0.4").await;
+        if let Ok(r) = c.subscribe(request(&[&ff("team-b", "f")])).await {
+            let mut r = r.into_inner();
+            assert_eq!(next(&mut r).await.event(), Event::Snapshot);
+            break reused.elapsed();
+        }
+        assert!(
+            reused.elapsed() < Duration::from_secs(5),
+            "not recognised in 5 s"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    println!("a new pod on a reused IP was recognised after {recognised:?}");
+    // From then on a new connection from that IP is never the old pod.
+    let mut c = connect_from(broker.addr, "127.0.0.4").await;
+    assert_eq!(
+        refusal(&mut c, &ff("team-a", "f")).await.code(),
+        Code::PermissionDenied
+    );
+    // The old connection keeps the pod it was matched to (a pod's connections die with it).
+    let mut again = subscribe(&mut old, &[&ff("team-a", "f")]).await;
+    next(&mut again).await;
+}
+
+#[tokio::test]
+async fn host_network_ambiguous_and_terminating_pods_identify_nobody() {
+    let fake = tenants().await;
+    fake.apply(serde_json::json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": { "name": "node-agent", "namespace": "kube-system" },
+        "spec": { "hostNetwork": true, "containers": [{ "name": "a", "image": "a" }] },
+    }))
+    .unwrap();
+    fake.merge_patch_status(
+        "v1",
+        "pods",
+        "kube-system",
+        "node-agent",
+        serde_json::json!({ "status": { "phase": "Running", "podIP": "127.0.0.5" } }),
+    )
+    .unwrap();
+    run_pod(&fake, "team-a", "twin-1", "web", "127.0.0.6");
+    run_pod(&fake, "team-b", "twin-2", "api", "127.0.0.6");
+    let broker = broker_with_access(&fake, settings("peer-pod")).await;
+    for (ip, why) in [
+        ("127.0.0.5", "a node's IP"),
+        ("127.0.0.6", "2 running pods have IP 127.0.0.6"),
+    ] {
+        let mut c = connect_from(broker.addr, ip).await;
+        let status = refusal(&mut c, &ff("team-a", "f")).await;
+        assert_eq!(status.code(), Code::Unauthenticated, "{ip}");
+        assert!(status.message().contains(why), "{}", status.message());
+    }
+}
+
+#[tokio::test]
+async fn tokens_identify_service_accounts_once_per_token() {
+    let fake = tenants().await;
+    fake.register_token(
+        TokenUser::service_account("good", "team-a", "web").with_audiences(&["crd-broker"]),
+    );
+    fake.register_token(
+        TokenUser::service_account("elsewhere", "team-a", "web").with_audiences(&["other"]),
+    );
+    fake.register_token(TokenUser {
+        token: "person".into(),
+        username: "alice".into(),
+        audiences: vec!["crd-broker".into()],
+        ..TokenUser::default()
+    });
+    let broker = broker_with_access(&fake, settings("token")).await;
+    let mut c = connect_from(broker.addr, "127.0.0.9").await;
+    let with_token = |token: &str, selector: &str| {
+        let mut r = tonic::Request::new(request(&[selector]));
+        r.metadata_mut().insert(
+            "authorization",
+            MetadataValue::try_from(format!("Bearer {token}")).unwrap(),
+        );
+        r
+    };
+    fake.clear_requests();
+    for _ in 0..20 {
+        let mut s = c
+            .subscribe(with_token("good", &ff("team-a", "f")))
+            .await
+            .unwrap()
+            .into_inner();
+        next(&mut s).await;
+    }
+    assert_eq!(
+        fake.request_count("create", "/apis/authentication.k8s.io/v1/tokenreviews"),
+        1,
+        "one review for twenty requests with one token"
+    );
+    let other_ns = c
+        .subscribe(with_token("good", &ff("team-b", "f")))
+        .await
+        .unwrap_err();
+    assert_eq!(other_ns.code(), Code::PermissionDenied);
+    for (token, why) in [
+        ("elsewhere", "token: the bearer token was refused"),
+        ("person", "user \"alice\"'s, not a service account's"),
+        ("forged", "token: the bearer token was refused"),
+    ] {
+        let status = c
+            .subscribe(with_token(token, &ff("team-a", "f")))
+            .await
+            .unwrap_err();
+        assert_eq!(status.code(), Code::Unauthenticated, "{token}");
+        assert!(status.message().contains(why), "{}", status.message());
+    }
+    let none = refusal(&mut c, &ff("team-a", "f")).await;
+    assert!(
+        none.message().contains("token: no authorization header"),
+        "{}",
+        none.message()
+    );
+}
+
+#[tokio::test]
+async fn sources_are_tried_in_order_and_the_first_that_identifies_wins() {
+    let fake = tenants().await;
+    fake.register_token(
+        TokenUser::service_account("b-token", "team-b", "api").with_audiences(&["crd-broker"]),
+    );
+    let broker = broker_with_access(&fake, settings("peer-pod,token")).await;
+    let with_token = |selector: &str| {
+        let mut r = tonic::Request::new(request(&[selector]));
+        r.metadata_mut().insert(
+            "authorization",
+            MetadataValue::from_static("Bearer b-token"),
+        );
+        r
+    };
+    // From team-a's pod: peer-pod answers first, the token is not looked at.
+    let mut pod = connect_from(broker.addr, "127.0.0.2").await;
+    assert!(pod.subscribe(with_token(&ff("team-a", "f"))).await.is_ok());
+    assert_eq!(
+        pod.subscribe(with_token(&ff("team-b", "f")))
+            .await
+            .unwrap_err()
+            .code(),
+        Code::PermissionDenied
+    );
+    // From an address no pod has: the token identifies team-b.
+    let mut other = connect_from(broker.addr, "127.0.0.9").await;
+    assert!(
+        other
+            .subscribe(with_token(&ff("team-b", "f")))
+            .await
+            .is_ok()
+    );
+}
+
+async fn mtls_broker(
+    fake: &fake_apiserver::FakeApiServer,
+    pki: &Pki,
+    dir: &std::path::Path,
+) -> crd_broker::broker::Running<crd_broker::source::kubernetes::Kubernetes> {
+    write_tls_files(dir, pki);
+    let tls = crd_broker::transport::tls::Tls::load(crd_broker::transport::tls::TlsFiles {
+        cert: dir.join("tls.crt"),
+        key: dir.join("tls.key"),
+        client_ca: Some(dir.join("ca.crt")),
+    })
+    .unwrap();
+    let listeners = crd_broker::broker::Listeners {
+        tcp: Some(tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap()),
+        tls: Some(tls),
+        ..Default::default()
+    };
+    let config = crd_broker::broker::Config {
+        access: Settings {
+            client_certificates: true,
+            ..settings("mtls")
+        },
+        ..Default::default()
+    };
+    broker_with(fake, listeners, config, vec![])
+}
+
+#[tokio::test]
+async fn mtls_reads_the_spiffe_id_in_the_client_certificate() {
+    let fake = tenants().await;
+    let dir = tempfile::tempdir().unwrap();
+    let pki = pki_with_client_uri("spiffe", Some("spiffe://cluster.local/ns/team-a/sa/web"));
+    let broker = mtls_broker(&fake, &pki, dir.path()).await;
+    let mut c = tls_client(broker.addr, &pki, true).await.unwrap();
+    let mut s = subscribe(&mut c, &[&ff("team-a", "f")]).await;
+    assert_eq!(next(&mut s).await.event(), Event::Snapshot);
+    let denied = refusal(&mut c, &ff("team-b", "f")).await;
+    assert_eq!(denied.code(), Code::PermissionDenied);
+    assert!(
+        denied.message().contains("team-a/web"),
+        "{}",
+        denied.message()
+    );
+
+    // A certificate of the same CA without a SPIFFE ID identifies nobody.
+    let dir = tempfile::tempdir().unwrap();
+    let plain = support::pki("plain");
+    let broker = mtls_broker(&fake, &plain, dir.path()).await;
+    let mut c = tls_client(broker.addr, &plain, true).await.unwrap();
+    let status = refusal(&mut c, &ff("team-a", "f")).await;
+    assert_eq!(status.code(), Code::Unauthenticated);
+    assert!(
+        status.message().contains("no spiffe:// URI SAN"),
+        "{}",
+        status.message()
+    );
+}
+
+#[tokio::test]
+async fn mesh_headers_are_believed_only_from_the_local_proxy() {
+    let fake = tenants().await;
+    let broker = broker_with_access(&fake, settings("mesh")).await;
+    let xfcc = "By=spiffe://cluster.local/ns/broker/sa/crd-broker;Hash=0af1;URI=spiffe://cluster.local/ns/team-a/sa/web";
+    let with = |header: &'static str, value: &str, selector: &str| {
+        let mut r = tonic::Request::new(request(&[selector]));
+        r.metadata_mut()
+            .insert(header, MetadataValue::try_from(value).unwrap());
+        r
+    };
+    // From the proxy's address (127.0.0.1 here; 127.0.0.6 in Istio): believed.
+    let mut proxy = connect(broker.addr).await;
+    let mut s = proxy
+        .subscribe(with("x-forwarded-client-cert", xfcc, &ff("team-a", "f")))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(next(&mut s).await.event(), Event::Snapshot);
+    // A client's own element before the proxy's does not count.
+    let forged = format!("URI=spiffe://cluster.local/ns/team-b/sa/api,{xfcc}");
+    assert_eq!(
+        proxy
+            .subscribe(with("x-forwarded-client-cert", &forged, &ff("team-b", "f")))
+            .await
+            .unwrap_err()
+            .code(),
+        Code::PermissionDenied
+    );
+    let linkerd = "api.team-b.serviceaccount.identity.linkerd.cluster.local";
+    assert!(
+        proxy
+            .subscribe(with("l5d-client-id", linkerd, &ff("team-b", "f")))
+            .await
+            .is_ok()
+    );
+    // From anywhere else: ignored.
+    let mut pod = connect_from(broker.addr, "127.0.0.2").await;
+    let status = pod
+        .subscribe(with("x-forwarded-client-cert", xfcc, &ff("team-a", "f")))
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::Unauthenticated);
+    assert!(
+        status.message().contains("mesh headers are ignored"),
+        "{}",
+        status.message()
+    );
+}
+
+#[tokio::test]
+async fn a_unix_socket_caller_is_local_and_reads_only_what_a_unix_grant_gives() {
+    let fake = tenants().await;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("broker.sock");
+    let (_p, policy) = policy_file("grants:\n  - from: \"unix:*\"\n    read: [shared]\n");
+    let listeners = crd_broker::broker::Listeners {
+        tcp: Some(tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap()),
+        unix: Some((tokio::net::UnixListener::bind(&path).unwrap(), path.clone())),
+        ..Default::default()
+    };
+    let config = crd_broker::broker::Config {
+        access: Settings {
+            policy: Some(policy),
+            ..settings("peer-pod")
+        },
+        ..Default::default()
+    };
+    let _broker = broker_with(&fake, listeners, config, vec![]);
+    let mut local = connect_unix(&path).await;
+    let mut s = subscribe(&mut local, &[&ff("shared", "f")]).await;
+    assert_eq!(next(&mut s).await.event(), Event::Snapshot);
+    let denied = refusal(&mut local, &ff("team-a", "f")).await;
+    assert_eq!(denied.code(), Code::PermissionDenied);
+    assert!(denied.message().contains("unix:"), "{}", denied.message());
+}
+
+#[tokio::test]
+async fn a_reloaded_policy_ends_streams_it_no_longer_allows_and_a_broken_one_changes_nothing() {
+    let fake = tenants().await;
+    let (_dir, policy) = policy_file(SHARED_FOR_TEAM_B);
+    let broker = broker_with_access(
+        &fake,
+        Settings {
+            policy: Some(policy.clone()),
+            policy_reload_interval: Duration::from_millis(100),
+            ..settings("peer-pod")
+        },
+    )
+    .await;
+    let mut b = connect_from(broker.addr, "127.0.0.3").await;
+    let mut shared = subscribe(&mut b, &[&ff("shared", "f")]).await;
+    next(&mut shared).await;
+    let mut own = subscribe(&mut b, &[&ff("team-b", "f")]).await;
+    next(&mut own).await;
+
+    rewrite(&policy, "grants: []\n");
+    let revoked = ended(&mut shared).await;
+    assert_eq!(revoked.code(), Code::PermissionDenied);
+    assert!(
+        revoked.message().contains("the policy changed"),
+        "{}",
+        revoked.message()
+    );
+    assert_eq!(
+        refusal(&mut b, &ff("shared", "f")).await.code(),
+        Code::PermissionDenied
+    );
+
+    // A policy that does not parse is refused and the one in force stays.
+    rewrite(
+        &policy,
+        "grants:\n  - from: Not_A_Namespace\n    read: [shared]\n",
+    );
+    let admin = broker.admin_addr.unwrap();
+    let refused = r#"crd_broker_policy_reloads_total{result="refused"}"#;
+    let waited = tokio::time::timeout(WAIT, async {
+        while get(&metrics(admin).await, refused) < 1.0 {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    assert!(waited.is_ok(), "the broken policy is seen and refused");
+    assert_eq!(
+        refusal(&mut b, &ff("shared", "f")).await.code(),
+        Code::PermissionDenied
+    );
+
+    // Granted again: readable again, and the stream that was never revoked went on throughout.
+    rewrite(&policy, SHARED_FOR_TEAM_B);
+    let granted = tokio::time::timeout(WAIT, async {
+        loop {
+            if b.subscribe(request(&[&ff("shared", "f")])).await.is_ok() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    assert!(granted.is_ok());
+    fake.merge_patch(GV, "featureflags", "team-b", "f", variant_patch("off"))
+        .unwrap();
+    assert!(is(&next(&mut own).await, Event::Updated, "off"));
+}
+
+#[tokio::test]
+async fn cluster_scoped_kinds_are_readable_only_through_a_grant_of_every_namespace() {
+    let fake = tenants().await;
+    fake.install_crd(serde_json::json!({
+        "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+        "metadata": { "name": "widgets.example.com" },
+        "spec": { "group": "example.com", "scope": "Cluster",
+            "names": { "plural": "widgets", "kind": "Widget" },
+            "versions": [{ "name": "v1", "served": true, "storage": true,
+                "schema": { "openAPIV3Schema": { "type": "object", "x-kubernetes-preserve-unknown-fields": true } } }] }
+    }))
+    .unwrap();
+    fake.apply(serde_json::json!({ "apiVersion": "example.com/v1", "kind": "Widget", "metadata": { "name": "w" } }))
+        .unwrap();
+    let (_dir, policy) = policy_file(
+        "grants:\n  - from: team-b/api\n    read: [\"*\"]\n    kinds: [widgets.example.com]\n",
+    );
+    let broker = broker_with_access(
+        &fake,
+        Settings {
+            policy: Some(policy),
+            ..settings("peer-pod")
+        },
+    )
+    .await;
+    let mut a = connect_from(broker.addr, "127.0.0.2").await;
+    let denied = refusal(&mut a, "widgets.example.com/w").await;
+    assert_eq!(denied.code(), Code::PermissionDenied);
+    assert!(
+        denied.message().contains("cluster-scoped"),
+        "{}",
+        denied.message()
+    );
+    let mut b = connect_from(broker.addr, "127.0.0.3").await;
+    let mut w = subscribe(&mut b, &["widgets.example.com/w"]).await;
+    assert_eq!(next(&mut w).await.event(), Event::Snapshot);
+    // The grant covers widgets only: team-b's api may not read FeatureFlags in team-a.
+    assert_eq!(
+        refusal(&mut b, &ff("team-a", "f")).await.code(),
+        Code::PermissionDenied
+    );
+}
