@@ -122,7 +122,7 @@ impl<S: Source> Running<S> {
         );
         let (reporter, health) = tonic_health::server::health_reporter();
         let readiness = Readiness::new(reporter, shutdown.clone());
-        readiness.spawn_checks(registry.clone(), config.readiness_interval);
+        readiness.spawn_checks(registry.clone(), access.clone(), config.readiness_interval);
         if let Some(admin) = admin {
             crate::ops::admin::spawn(admin, readiness.clone(), registry.clone(), metrics.clone());
         }

@@ -11,6 +11,9 @@
 //! - [`grpc`] — the native and flagd services and the one mapping of errors to `Status`. A
 //!   request is validated ([`selector`] is the one place selectors are parsed), resolved through
 //!   the registry, and each resource's state streamed: at once, then on every change.
+//! - [`access`] — who the caller is and what it may read: identity sources (peer pod, token,
+//!   certificate, mesh headers), the namespace policy, per-caller limits. Its per-connection
+//!   layer puts the caller into each request's extensions; the services ask it to admit requests.
 //! - [`transport`] — the HTTP/2 server: listeners, TLS, per-connection drain and maximum age,
 //!   keepalive, the request size limit. It knows no service: it makes each connection's service
 //!   through a function it is given, and hands every request its [`conn::Peer`] and
@@ -21,6 +24,7 @@
 //!   is the reference count. It knows no gRPC and no callers.
 //! - [`source`] — the [`source::Source`] trait the registry is generic over, implemented by the
 //!   Kubernetes API (kube-rs `watch_object`) and a directory of manifests.
+//! - [`cache`] — a bounded single-flight cache, for discovery, pod lookups and token reviews.
 //! - [`telemetry`] — metric families, logs and traces; every layer records into it.
 
 #![warn(clippy::unwrap_used)]

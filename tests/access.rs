@@ -600,3 +600,50 @@ async fn cluster_scoped_kinds_are_readable_only_through_a_grant_of_every_namespa
         Code::PermissionDenied
     );
 }
+
+#[tokio::test]
+async fn readiness_needs_the_rights_the_identity_sources_use() {
+    let fake = tenants().await;
+    fake.deny(fake_apiserver::Deny {
+        verb: Some("create".into()),
+        resource: Some("tokenreviews".into()),
+        ..Default::default()
+    });
+    let mut config = crd_broker::broker::Config {
+        access: settings("peer-pod,token"),
+        readiness_interval: Duration::from_millis(100),
+        ..Default::default()
+    };
+    config.linger = Duration::ZERO;
+    let listeners = crd_broker::broker::Listeners {
+        tcp: Some(tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap()),
+        admin: Some(tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap()),
+        ..Default::default()
+    };
+    let broker = broker_with(&fake, listeners, config, vec![]);
+    let admin = broker.admin_addr.unwrap();
+    let readyz = || http_get(admin, "/readyz");
+    let not_ready = tokio::time::timeout(WAIT, async {
+        loop {
+            let (code, body) = readyz().await;
+            if code == 503 && body.contains("--identity token") {
+                return body;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await
+    .expect("not ready while the broker may not review tokens");
+    assert!(
+        not_ready.contains("may not create tokenreviews.authentication.k8s.io"),
+        "{not_ready}"
+    );
+    fake.clear_faults();
+    let ready = tokio::time::timeout(WAIT, async {
+        while readyz().await.0 != 200 {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    assert!(ready.is_ok(), "ready once the right is granted");
+}

@@ -473,3 +473,58 @@ async fn the_clients_stream_deadline_churn_reuses_the_warm_watch() {
     );
     assert_eq!(h.watches_on("demo"), 1);
 }
+
+#[tokio::test]
+async fn start_honours_the_identity_and_policy_variables() {
+    let (fake, dir, kubeconfig) = fake_with_kubeconfig().await;
+    run_pod(&fake, "team-a", "web-1", "web", "127.0.0.2");
+    for ns in ["team-a", "team-b"] {
+        fake.apply(flag_in(ns, "f", "on")).unwrap();
+    }
+    let policy = dir.path().join("policy.yaml");
+    std::fs::write(&policy, "grants:\n  - from: team-a\n    read: [team-b]\n").unwrap();
+    let (port, management) = (free_port(), free_port());
+    let _child = start_command(
+        &kubeconfig,
+        &[
+            "--port",
+            &port.to_string(),
+            "--management-port",
+            &management.to_string(),
+        ],
+        &[
+            ("CRD_BROKER_IDENTITY", "peer-pod"),
+            ("CRD_BROKER_POLICY", policy.to_str().unwrap()),
+        ],
+    );
+    let addr: std::net::SocketAddr = ([127, 0, 0, 1], port).into();
+    let channel = tokio::time::timeout(WAIT, async {
+        loop {
+            let endpoint = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+                .unwrap()
+                .local_address(Some("127.0.0.2".parse().unwrap()));
+            if let Ok(c) = endpoint.connect().await {
+                return c;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await
+    .expect("start listens");
+    let mut pod = FlagSyncServiceClient::new(channel);
+    for ns in ["team-a", "team-b"] {
+        let selector = format!("core.openfeature.dev/{ns}/f");
+        let mut s = pod
+            .sync_flags(sync_request(Some(&selector), ""))
+            .await
+            .unwrap_or_else(|e| panic!("{ns}: {e}"))
+            .into_inner();
+        assert_eq!(config(&mut s).await["flags"]["f"]["defaultVariant"], "on");
+    }
+    let mut stranger = FlagSyncServiceClient::new(channel_from(addr, "127.0.0.9").await);
+    let status = stranger
+        .sync_flags(sync_request(Some("core.openfeature.dev/team-a/f"), ""))
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::Unauthenticated, "{}", status.message());
+}

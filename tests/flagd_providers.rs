@@ -122,3 +122,73 @@ async fn the_python_flagd_provider_works_unchanged_against_the_broker() {
     println!("provider check: {summary}");
     assert!(summary["patch_to_evaluation_seconds"].as_f64().unwrap() < 1.0);
 }
+
+/// Runs the tenancy check in `mode` with the provider pointed at `port` for `selector`.
+async fn tenancy_check(mode: &str, port: u16, selector: &str) -> Value {
+    let script = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/python/flagd_tenancy_check.py"
+    );
+    let out = tokio::time::timeout(
+        Duration::from_secs(60),
+        tokio::process::Command::new(python())
+            .arg(script)
+            .arg(mode)
+            .env("FLAGD_RESOLVER", "in-process")
+            .env("FLAGD_HOST", "127.0.0.1")
+            .env("FLAGD_SYNC_PORT", port.to_string())
+            .env("FLAGD_SOURCE_SELECTOR", selector)
+            .env("FLAGD_RETRY_BACKOFF_MAX_MS", "500")
+            .kill_on_drop(true)
+            .output(),
+    )
+    .await
+    .expect("the check ends by itself")
+    .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{mode}: {stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_str(stdout.lines().last().unwrap_or_default()).unwrap()
+}
+
+#[tokio::test]
+async fn the_python_provider_unchanged_reads_its_namespace_and_is_refused_another() {
+    let fake = fake().await;
+    run_pod(&fake, "team-a", "web-1", "web", "127.0.0.2");
+    for ns in ["team-a", "team-b"] {
+        let mut demo = demo_manifest();
+        demo["metadata"]["namespace"] = ns.into();
+        fake.apply(demo).unwrap();
+    }
+    let broker = broker_with_access(
+        &fake,
+        crd_broker::access::Settings {
+            identity: "peer-pod".parse().unwrap(),
+            ..Default::default()
+        },
+    )
+    .await;
+    // The provider connects to 127.0.0.1; the forwarder makes it the pod at 127.0.0.2.
+    let pod = forwarder("127.0.0.2", broker.addr).await;
+    let allowed = tenancy_check("allowed", pod.port(), "core.openfeature.dev/team-a/demo").await;
+    println!("allowed: {allowed}");
+    let refused = tenancy_check("refused", pod.port(), "core.openfeature.dev/team-b/demo").await;
+    println!("refused: {refused}");
+    let why = refused["refusal"].as_str().unwrap_or_default();
+    assert!(
+        why.contains("PERMISSION_DENIED")
+            && why.contains("team-a/web (pod web-1) may not read featureflags.core.openfeature.dev in namespace team-b"),
+        "the provider was told why: {why}"
+    );
+    let team_b = "/apis/core.openfeature.dev/v1beta1/namespaces/team-b/featureflags";
+    assert_eq!(
+        fake.request_count("watch", team_b) + fake.request_count("list", team_b),
+        0,
+        "refused before any watch of team-b"
+    );
+    let m = metrics(broker.admin_addr.unwrap()).await;
+    assert!(get(&m, r#"crd_broker_denials_total{reason="namespace"}"#) >= 1.0);
+}

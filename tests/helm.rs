@@ -138,7 +138,8 @@ fn round_trips<T: serde::de::DeserializeOwned + serde::Serialize>(doc: &Value) {
 
 fn check_types(docs: &[Value]) {
     use k8s_openapi::api::apps::v1::Deployment;
-    use k8s_openapi::api::core::v1::{Service, ServiceAccount};
+    use k8s_openapi::api::core::v1::{ConfigMap, Service, ServiceAccount};
+    use k8s_openapi::api::networking::v1::NetworkPolicy;
     use k8s_openapi::api::policy::v1::PodDisruptionBudget;
     use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};
     for doc in docs {
@@ -149,6 +150,8 @@ fn check_types(docs: &[Value]) {
             "ClusterRole" => round_trips::<ClusterRole>(doc),
             "ClusterRoleBinding" => round_trips::<ClusterRoleBinding>(doc),
             "PodDisruptionBudget" => round_trips::<PodDisruptionBudget>(doc),
+            "NetworkPolicy" => round_trips::<NetworkPolicy>(doc),
+            "ConfigMap" => round_trips::<ConfigMap>(doc),
             "ServiceMonitor" => {
                 assert_eq!(doc["apiVersion"], "monitoring.coreos.com/v1");
                 assert_eq!(doc["spec"]["endpoints"][0]["port"], "admin");
@@ -235,12 +238,34 @@ fn the_default_chart_renders_a_hardened_highly_available_deployment() {
         .expect("a ClusterIP Service");
     assert_eq!(cluster_ip["metadata"]["name"], "flags-crd-broker");
 
+    assert_eq!(
+        serve.identity.to_string(),
+        "peer-pod,token",
+        "identity on by default"
+    );
     let role = kind(&docs, "ClusterRole")[0];
     assert_eq!(
         role["rules"],
-        json!([{ "apiGroups": ["core.openfeature.dev"], "resources": ["featureflags"], "verbs": ["get", "list", "watch"] }]),
-        "least privilege"
+        json!([
+            { "apiGroups": ["core.openfeature.dev"], "resources": ["featureflags"], "verbs": ["get", "list", "watch"] },
+            { "apiGroups": [""], "resources": ["pods"], "verbs": ["list"] },
+            { "apiGroups": ["authentication.k8s.io"], "resources": ["tokenreviews"], "verbs": ["create"] },
+        ]),
+        "least privilege: the kinds served, and what each identity source needs"
     );
+    let policy = kind(&docs, "NetworkPolicy")[0];
+    let ingress = policy["spec"]["ingress"].as_array().unwrap();
+    assert_eq!(ingress.len(), 2);
+    assert_eq!(ingress[0]["ports"][0]["port"], "grpc");
+    assert_eq!(ingress[0]["from"], json!([{ "namespaceSelector": {} }]));
+    assert_eq!(ingress[1]["ports"][0]["port"], "admin");
+    assert_eq!(
+        ingress[1]["from"],
+        json!([{ "namespaceSelector": { "matchLabels": { "kubernetes.io/metadata.name": "monitoring" } } }]),
+        "the admin port only from the monitoring namespaces"
+    );
+    assert!(kind(&docs, "ConfigMap").is_empty(), "no policy by default");
+    assert!(serve.policy.is_none());
     let binding = kind(&docs, "ClusterRoleBinding")[0];
     assert_eq!(
         binding["subjects"][0]["name"],
@@ -270,10 +295,41 @@ fn every_option_renders_and_stands_in_for_flagd_proxy() {
         "tolerations": [{ "key": "k", "operator": "Exists" }],
         "imagePullSecrets": [{ "name": "registry" }],
         "serviceAccount": { "annotations": { "eks.amazonaws.com/role-arn": "arn" } },
+        "access": {
+            "identity": "mtls,mesh",
+            "policy": { "ownNamespace": false, "grants": [{ "from": "team-a", "read": ["shared"], "kinds": ["featureflags.core.openfeature.dev"] }] },
+            "maxWatches": 500,
+        },
+        "networkPolicy": { "monitoringNamespaces": ["monitoring", "observability"] },
     }))
     .expect("renders");
     check_types(&docs);
     let serve = args_parse(&docs);
+    assert_eq!(serve.identity.to_string(), "mtls,mesh");
+    assert_eq!(serve.max_watches, 500);
+    assert_eq!(
+        serve.policy.as_deref(),
+        Some(Path::new("/etc/crd-broker/policy/policy.yaml"))
+    );
+    let config_map = kind(&docs, "ConfigMap")[0];
+    let text = config_map["data"]["policy.yaml"].as_str().unwrap();
+    let parsed = crd_broker::access::policy::Policy::parse(text)
+        .expect("the policy the chart writes parses");
+    assert!(!parsed.own_namespace);
+    assert_eq!(parsed.grants.len(), 1);
+    let pod_spec = &kind(&docs, "Deployment")[0]["spec"]["template"]["spec"];
+    assert_eq!(
+        pod_spec["volumes"][1]["configMap"]["name"],
+        config_map["metadata"]["name"]
+    );
+    // Neither mtls nor mesh asks the API server: no extra rights.
+    let rules = kind(&docs, "ClusterRole")[0]["rules"]
+        .as_array()
+        .unwrap()
+        .clone();
+    assert!(rules.iter().all(|r| r["resources"] != json!(["pods"]) && r["resources"] != json!(["tokenreviews"])));
+    let admin_from = &kind(&docs, "NetworkPolicy")[0]["spec"]["ingress"][1]["from"];
+    assert_eq!(admin_from.as_array().unwrap().len(), 2);
     assert_eq!(
         serve.tls_cert.as_deref(),
         Some(Path::new("/etc/crd-broker/tls/tls.crt"))
@@ -319,6 +375,17 @@ fn wrong_values_are_refused_with_a_reason() {
     );
     let err = render(json!({ "tls": { "enabled": true } })).unwrap_err();
     assert!(err.contains("tls.secretName is required"), "{err}");
+    let err = render(json!({ "access": { "identity": "mtls" } })).unwrap_err();
+    assert!(err.contains("needs client certificates"), "{err}");
+    // With no monitoring namespaces nobody reaches the admin port (an empty `from` would let
+    // everyone in).
+    let docs = render(json!({ "networkPolicy": { "monitoringNamespaces": [] } })).unwrap();
+    let ingress = kind(&docs, "NetworkPolicy")[0]["spec"]["ingress"]
+        .as_array()
+        .unwrap()
+        .clone();
+    assert_eq!(ingress.len(), 1);
+    assert_eq!(ingress[0]["ports"][0]["port"], "grpc");
 }
 
 /// Every `.Values.x.y` in the templates exists in values.yaml.

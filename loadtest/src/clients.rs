@@ -104,6 +104,14 @@ pub async fn connections(addr: SocketAddr, n: usize, sources: u8) -> anyhow::Res
     Ok(out)
 }
 
+/// One connection to `addr` from `local`.
+pub async fn connection_from(addr: SocketAddr, local: Ipv4Addr) -> anyhow::Result<Channel> {
+    Ok(Endpoint::from_shared(format!("http://{addr}"))?
+        .local_address(Some(IpAddr::V4(local)))
+        .connect()
+        .await?)
+}
+
 /// A Subscribe request for the FeatureFlag `default/{name}`.
 fn subscribe_request(name: &str) -> pb::SubscribeRequest {
     pb::SubscribeRequest {

@@ -41,7 +41,8 @@ enum Command {
 pub struct Run {
     /// Scenarios: `fanout` (a: many subscribers on many CRs), `hot` (b: one hot CR), `storm`
     /// (c: a reconnect storm on a cold broker), `churn` (d: subscribers come and go), `idle`
-    /// (memory of idle one-stream sidecars), or `all`.
+    /// (memory of idle one-stream sidecars), `identity` (the cost of `--identity peer-pod`), or
+    /// `all`.
     #[arg(long, value_delimiter = ',', default_value = "all")]
     pub scenario: Vec<String>,
     /// A tiny configuration of every scenario (a few seconds), for CI.
@@ -71,6 +72,9 @@ pub struct Run {
     /// Idle sidecars (one connection, one stream each) in the memory scenario.
     #[arg(long, default_value_t = 10_000)]
     pub sidecars: usize,
+    /// Pods (distinct source addresses, 127.1.0.1 …) the identity scenario's sidecars run in.
+    #[arg(long, default_value_t = 1_000)]
+    pub pod_ips: usize,
     /// Loopback source addresses to spread connections over (127.0.0.1 ..= 127.0.0.N).
     #[arg(long, default_value_t = 8)]
     pub sources: u8,
@@ -96,6 +100,7 @@ impl Run {
         self.churn_duration = Duration::from_secs(2);
         self.churn_subscribers = 30;
         self.sidecars = 50;
+        self.pod_ips = 5;
         self.sources = 2;
         self
     }

@@ -8,7 +8,7 @@ use anyhow::Context;
 use serde::Serialize;
 
 use crate::Run;
-use crate::scenarios::{Churn, Fanout, Idle, Storm};
+use crate::scenarios::{Churn, Fanout, Identity, Idle, Storm};
 
 /// The machine the run was on.
 #[derive(Debug, Clone, Serialize)]
@@ -66,6 +66,12 @@ pub struct Ratios {
     pub warm_first_message_vs_unary: Option<f64>,
     /// Memory per idle one-stream sidecar.
     pub idle_memory: Option<f64>,
+    /// `--identity peer-pod` ÷ `none`: median fan-out time.
+    pub identity_fanout_p50: Option<f64>,
+    /// `--identity peer-pod` ÷ `none`: median warm first message on a connection in use.
+    pub identity_warm_first_message: Option<f64>,
+    /// `--identity peer-pod` ÷ `none`: median first message on a new connection.
+    pub identity_new_connection_first_message: Option<f64>,
 }
 
 /// Everything a run measured.
@@ -85,6 +91,8 @@ pub struct Results {
     pub churn: Option<Churn>,
     /// Idle sidecars' memory.
     pub idle: Option<Idle>,
+    /// The cost of caller identity.
+    pub identity: Option<Identity>,
     /// Broker ÷ bare.
     pub ratios: Ratios,
 }
@@ -107,6 +115,7 @@ impl Results {
             ),
             ("churn_subscribers", run.churn_subscribers.to_string()),
             ("sidecars", run.sidecars.to_string()),
+            ("pod_ips", run.pod_ips.to_string()),
             ("payload_bytes", run.payload_bytes.to_string()),
             ("smoke", run.smoke.to_string()),
         ]
@@ -121,6 +130,7 @@ impl Results {
             storm: None,
             churn: None,
             idle: None,
+            identity: None,
             ratios: Ratios::default(),
         }
     }
@@ -141,6 +151,19 @@ impl Results {
         }
         if let Some(i) = &self.idle {
             self.ratios.idle_memory = ratio(i.broker.bytes_per_sidecar, i.bare.bytes_per_sidecar);
+        }
+        if let Some(i) = &self.identity {
+            self.ratios.identity_fanout_p50 = ratio(i.peer_pod.fanout.p50_ms, i.none.fanout.p50_ms);
+            self.ratios.identity_warm_first_message = ratio(
+                i.peer_pod.first_warm_alone.p50_ms,
+                i.none.first_warm_alone.p50_ms,
+            );
+            if let (Some(p), Some(n)) = (
+                &i.peer_pod.first_new_connection,
+                &i.none.first_new_connection,
+            ) {
+                self.ratios.identity_new_connection_first_message = ratio(p.p50_ms, n.p50_ms);
+            }
         }
     }
 }
@@ -317,6 +340,81 @@ pub fn markdown(r: &Results) -> String {
             i.bare.connect_seconds
         );
     }
+    if let Some(i) = &r.identity {
+        s += &identity_section(i, &r.ratios);
+    }
+    s
+}
+
+fn identity_section(i: &Identity, ratios: &Ratios) -> String {
+    let lat = |x: &crate::stats::Summary| format!("{} / {} / {} ms", x.p50_ms, x.p99_ms, x.max_ms);
+    let x = |v: Option<f64>| v.map(|v| format!("{v:.2}×")).unwrap_or_else(|| "—".into());
+    let new_conn = |f: &crate::scenarios::FanoutRun| {
+        f.first_new_connection
+            .as_ref()
+            .map(lat)
+            .unwrap_or_else(|| "—".into())
+    };
+    let mut s = format!(
+        "### The cost of identity
+
+{} subscribers over {} connections on {} CRs, {} updates/s for {} s, on two brokers at once: `--identity none` and `--identity peer-pod` (every source address a pod).
+
+| | identity none | identity peer-pod | ratio |
+|---|---|---|---|
+",
+        i.subscribers, i.connections, i.crs, i.rate, i.seconds
+    );
+    s += &format!(
+        "| fan-out time p50 / p99 / max | {} | {} | {} |
+",
+        lat(&i.none.fanout),
+        lat(&i.peer_pod.fanout),
+        x(ratios.identity_fanout_p50)
+    );
+    s += &format!(
+        "| first message, warm, on a connection in use p50 / p99 / max | {} | {} | {} |
+",
+        lat(&i.none.first_warm_alone),
+        lat(&i.peer_pod.first_warm_alone),
+        x(ratios.identity_warm_first_message)
+    );
+    s += &format!(
+        "| first message, warm, on a new connection p50 / p99 / max | {} | {} | {} |
+",
+        new_conn(&i.none),
+        new_conn(&i.peer_pod),
+        x(ratios.identity_new_connection_first_message)
+    );
+    s += &format!(
+        "| updates / lost / stream errors | {} / {} / {} | {} / {} / {} | |
+",
+        i.none.updates,
+        i.none.lost,
+        i.none.errors,
+        i.peer_pod.updates,
+        i.peer_pod.lost,
+        i.peer_pod.errors
+    );
+    s += &format!(
+        "| pod lookups (API requests) for it all | 0 | {} | |
+
+",
+        i.pod_lookups
+    );
+    let c = &i.cost;
+    s += &format!(
+        "{} one-stream sidecars in {} pods, connecting 256 at a time; {} refused.\n\n| | served in | pod lookups | API requests in all |\n|---|---|---|---|\n| a pod's sidecars together (pods starting) | {:.1} s | {} | {} |\n| every pod's interleaved, once the cache expired (a broker restart) | {:.1} s | {} | {} |\n\n",
+        c.sidecars,
+        c.pod_ips,
+        c.errors,
+        c.by_pod.seconds,
+        c.by_pod.pod_lookups,
+        c.by_pod.api_requests,
+        c.interleaved.seconds,
+        c.interleaved.pod_lookups,
+        c.interleaved.api_requests
+    );
     s
 }
 

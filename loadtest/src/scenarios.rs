@@ -62,12 +62,17 @@ async fn serve(
     kind: Kind,
     crs: usize,
     linger: Duration,
+    args: &[&str],
 ) -> anyhow::Result<(FakeApiServer, tempfile_like::Dir, Target)> {
     let (fake, dir) = fake(crs, run.payload_bytes).await?;
+    // The loopback addresses connections come from are pods, for `--identity peer-pod`.
+    for i in 1..=run.sources.max(1) {
+        run_pod(&fake, &format!("sidecar-{i}"), &format!("127.0.0.{i}"))?;
+    }
     let target = match kind {
         Kind::Broker => {
             let bin = crate::target::broker_bin(run.broker_bin.clone())?;
-            Target::broker(&bin, &dir.path().join("kubeconfig"), linger).await?
+            Target::broker(&bin, &dir.path().join("kubeconfig"), linger, args).await?
         }
         Kind::Bare => {
             let mut t = Target::bare().await?;
@@ -79,6 +84,23 @@ async fn serve(
         }
     };
     Ok((fake, dir, target))
+}
+
+/// A Running pod `name` in `default` with `ip`, as a kubelet reports it.
+fn run_pod(fake: &FakeApiServer, name: &str, ip: &str) -> anyhow::Result<()> {
+    fake.apply(json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": { "name": name, "namespace": "default" },
+        "spec": { "serviceAccountName": "sidecar", "containers": [{ "name": "app", "image": "app" }] },
+    }))?;
+    fake.merge_patch_status(
+        "v1",
+        "pods",
+        "default",
+        name,
+        json!({ "status": { "phase": "Running", "podIP": ip } }),
+    )?;
+    Ok(())
 }
 
 fn flag(name: &str, payload: usize) -> Value {
@@ -140,6 +162,9 @@ pub struct FanoutRun {
     pub first_warm: Summary,
     /// First message of a lone subscription to an already-watched resource on an idle server.
     pub first_warm_alone: Summary,
+    /// First message of a lone subscription to a watched resource on a new connection
+    /// (measured in the identity scenario).
+    pub first_new_connection: Option<Summary>,
     /// A unary round trip on a warm connection (the bare server's health Check).
     pub unary: Option<Summary>,
     /// The broker's own mean fan-out time, from its metrics: source event → last subscriber's
@@ -248,6 +273,8 @@ struct Loaded {
     first_warm_alone: Histogram,
     /// Unary round trips (the bare server's health Check), after the updates.
     unary: Histogram,
+    /// Lone subscriptions to a watched resource, each on a new connection.
+    first_new_connection: Histogram,
     /// Per resource: the last update written, and the resourceVersion it got.
     last_seq: Vec<u64>,
     last_rv: Vec<String>,
@@ -257,12 +284,13 @@ struct Loaded {
 async fn load(
     run: &Run,
     kind: Kind,
+    args: &[&str],
     subscribers: usize,
     connections: usize,
     crs: usize,
     updates: usize,
 ) -> anyhow::Result<Loaded> {
-    let (fake, dir, target) = serve(run, kind, crs, Duration::from_secs(30)).await?;
+    let (fake, dir, target) = serve(run, kind, crs, Duration::from_secs(30), args).await?;
     tokio::time::sleep(Duration::from_millis(300)).await;
     let rss_before = target.rss();
     let channels = clients::connections(target.grpc, connections, run.sources).await?;
@@ -316,6 +344,7 @@ async fn load(
         cpu: Duration::ZERO,
         first_warm_alone: Histogram::default(),
         unary: Histogram::default(),
+        first_new_connection: Histogram::default(),
         last_seq: vec![0; crs],
         last_rv: vec![String::new(); crs],
     })
@@ -352,6 +381,25 @@ impl Loaded {
         }
     }
 
+    /// Times `n` lone first messages on a watched resource, each on a new connection from one
+    /// of the source addresses in turn.
+    async fn probe_new_connections(&self, n: usize, sources: u8) -> anyhow::Result<()> {
+        for i in 0..n {
+            let started = Instant::now();
+            let channel = clients::connection_from(
+                self.target.grpc,
+                Ipv4Addr::new(127, 0, 0, 1 + (i % sources.max(1) as usize) as u8),
+            )
+            .await?;
+            let h = Histogram::default();
+            clients::first_messages(channel, &name(0), 1, &h).await;
+            if h.count() == 1 {
+                self.first_new_connection.record(started.elapsed());
+            }
+        }
+        Ok(())
+    }
+
     /// Subscribers not on their resource's last state.
     fn lost(&self) -> u64 {
         let r = &self.recorder;
@@ -386,6 +434,8 @@ impl Loaded {
         let kind = self.kind;
         let first_warm_alone = self.first_warm_alone.summary();
         let unary = (kind == Kind::Bare).then(|| self.unary.summary());
+        let first_new_connection =
+            (self.first_new_connection.count() > 0).then(|| self.first_new_connection.summary());
         let internal_fanout_mean_ms = match (
             self.target
                 .metric_sum("crd_broker_fanout_seconds_sum")
@@ -406,6 +456,7 @@ impl Loaded {
             first_cold: recorder.first_cold.summary(),
             first_warm: recorder.first_warm.summary(),
             first_warm_alone,
+            first_new_connection,
             unary,
             internal_fanout_mean_ms,
             rss_before_bytes: self.rss_before,
@@ -456,7 +507,7 @@ const PROBES: usize = 200;
 pub async fn fanout(run: &Run, crs: usize, together: bool) -> anyhow::Result<Fanout> {
     let (subscribers, connections) = (run.subscribers, run.connections);
     let updates = (run.rate * run.duration.as_secs_f64()).round() as usize;
-    let load = |kind| load(run, kind, subscribers, connections, crs, updates);
+    let load = |kind| load(run, kind, &[], subscribers, connections, crs, updates);
     let (broker, bare) = if together {
         let mut both = [load(Kind::Broker).await?, load(Kind::Bare).await?];
         drive(&mut both, updates, run.rate).await?;
@@ -515,6 +566,190 @@ async fn drive(servers: &mut [Loaded], updates: usize, rate: f64) -> anyhow::Res
     Ok(())
 }
 
+/// The cost of caller identity: the fan-out scenario on two brokers loaded at once, one with
+/// `--identity none` and one with `--identity peer-pod` (every source address a pod), and the
+/// API requests identity makes for many sidecars on many pod IPs.
+#[derive(Debug, Clone, Serialize)]
+pub struct Identity {
+    /// Subscribers on each broker.
+    pub subscribers: usize,
+    /// Connections they share.
+    pub connections: usize,
+    /// Custom resources.
+    pub crs: usize,
+    /// Updates per second.
+    pub rate: f64,
+    /// Seconds of updates.
+    pub seconds: f64,
+    /// The broker with identity off.
+    pub none: FanoutRun,
+    /// The broker with `--identity peer-pod`.
+    pub peer_pod: FanoutRun,
+    /// Pod lookups the peer-pod broker made for all its connections and probes.
+    pub pod_lookups: usize,
+    /// Many sidecars on many pod IPs.
+    pub cost: IdentityCost,
+}
+
+/// API requests for `sidecars` one-stream sidecars on `pod_ips` pods, with `--identity peer-pod`.
+#[derive(Debug, Clone, Serialize)]
+pub struct IdentityCost {
+    /// Sidecars (one connection and one stream each).
+    pub sidecars: usize,
+    /// Pods (distinct source addresses) they run in.
+    pub pod_ips: usize,
+    /// Every sidecar connecting, a pod's sidecars together (as when pods start).
+    pub by_pod: ConnectPhase,
+    /// Every sidecar reconnecting once the lookup cache has expired, the pods' sidecars
+    /// interleaved (as after a broker restart, each client on its own backoff): the worst case.
+    pub interleaved: ConnectPhase,
+    /// Sidecars refused.
+    pub errors: usize,
+}
+
+/// One round of sidecars connecting, 256 at a time.
+#[derive(Debug, Clone, Serialize)]
+pub struct ConnectPhase {
+    /// Seconds until all were served.
+    pub seconds: f64,
+    /// Pod lookups (LISTs of pods by IP) they caused.
+    pub pod_lookups: usize,
+    /// Every request the API server received meanwhile.
+    pub api_requests: usize,
+}
+
+/// The identity scenario.
+pub async fn identity(run: &Run) -> anyhow::Result<Identity> {
+    let (subscribers, connections, crs) = (run.subscribers, run.connections, run.crs);
+    let updates = (run.rate * run.duration.as_secs_f64()).round() as usize;
+    let mut both = [
+        load(
+            run,
+            Kind::Broker,
+            &["--identity", "none"],
+            subscribers,
+            connections,
+            crs,
+            updates,
+        )
+        .await?,
+        load(
+            run,
+            Kind::Broker,
+            &["--identity", "peer-pod"],
+            subscribers,
+            connections,
+            crs,
+            updates,
+        )
+        .await?,
+    ];
+    drive(&mut both, updates, run.rate).await?;
+    let [mut none, mut pod] = both;
+    none.settle().await;
+    pod.settle().await;
+    for _ in 0..PROBES / 10 {
+        none.probe(10).await;
+        pod.probe(10).await;
+        none.probe_new_connections(10, run.sources).await?;
+        pod.probe_new_connections(10, run.sources).await?;
+    }
+    let pod_lookups = pod.fake.request_count("list", "/api/v1/pods") as usize;
+    let (none, peer_pod) = (none.finish().await?, pod.finish().await?);
+    Ok(Identity {
+        subscribers,
+        connections,
+        crs,
+        rate: run.rate,
+        seconds: run.duration.as_secs_f64(),
+        none,
+        peer_pod,
+        pod_lookups,
+        cost: identity_cost(run).await?,
+    })
+}
+
+/// The source address of pod `i`: 127.1.0.1, 127.1.0.2, … (250 to a /24).
+fn pod_ip(i: usize) -> Ipv4Addr {
+    Ipv4Addr::new(127, 1, (i / 250) as u8, (i % 250 + 1) as u8)
+}
+
+async fn identity_cost(run: &Run) -> anyhow::Result<IdentityCost> {
+    let (sidecars, pods, crs) = (run.sidecars, run.pod_ips.max(1), run.crs);
+    let (fake, _dir, target) = serve(
+        run,
+        Kind::Broker,
+        crs,
+        Duration::from_secs(30),
+        &["--identity", "peer-pod"],
+    )
+    .await?;
+    let progress = bar(pods as u64, "identity: pods");
+    for i in 0..pods {
+        run_pod(&fake, &format!("pod-{i}"), &pod_ip(i).to_string())?;
+        progress.inc(1);
+    }
+    progress.finish_and_clear();
+    // Warm every watch from the first loopback pod, so the sidecars only pay for identity.
+    let warm = clients::connections(target.grpc, 1, 1).await?;
+    let recorder = Recorder::new(crs, 0);
+    let (trigger, stop) = tokio_util_like::signal();
+    let names: Vec<String> = (0..crs).map(name).collect();
+    start_subscribers(&warm, &names, 0..crs, true, &recorder, &stop).await;
+    wait_until("the warm-up", Duration::from_secs(60), || {
+        firsts(&recorder) as usize >= crs
+    })
+    .await?;
+    let addr = target.grpc;
+    let per_pod = sidecars.div_ceil(pods);
+    // Sidecar i runs in pod `pod_of(i)`.
+    let round = |pod_of: fn(usize, usize, usize) -> usize, what: &'static str| {
+        let fake = &fake;
+        async move {
+            fake.clear_requests();
+            let progress = bar(sidecars as u64, what);
+            let started = Instant::now();
+            let connected: Vec<_> = futures::stream::iter(0..sidecars)
+                .map(|i| {
+                    let progress = progress.clone();
+                    let pod = pod_of(i, per_pod, pods);
+                    async move {
+                        let s = clients::sidecar(addr, pod_ip(pod), &name(i % crs)).await;
+                        progress.inc(1);
+                        s
+                    }
+                })
+                .buffer_unordered(256)
+                .collect()
+                .await;
+            progress.finish_and_clear();
+            let phase = ConnectPhase {
+                seconds: started.elapsed().as_secs_f64(),
+                pod_lookups: fake.request_count("list", "/api/v1/pods") as usize,
+                api_requests: fake.requests().len(),
+            };
+            (phase, connected)
+        }
+    };
+    let (by_pod, first) = round(|i, per_pod, _| i / per_pod, "identity: sidecars by pod").await;
+    let mut errors = first.iter().filter(|s| s.is_err()).count();
+    drop(first);
+    tokio::time::sleep(crd_broker::access::peer_pod::FOUND_TTL + Duration::from_millis(500)).await;
+    let (interleaved, second) =
+        round(|i, _, pods| i % pods, "identity: sidecars interleaved").await;
+    errors += second.iter().filter(|s| s.is_err()).count();
+    drop(second);
+    trigger.stop();
+    target.stop().await;
+    Ok(IdentityCost {
+        sidecars,
+        pod_ips: pods,
+        by_pod,
+        interleaved,
+        errors,
+    })
+}
+
 /// Scenario (c): a reconnect storm at a broker with no watches.
 #[derive(Debug, Clone, Serialize)]
 pub struct Storm {
@@ -538,7 +773,8 @@ pub struct Storm {
 
 /// Runs the storm.
 pub async fn storm(run: &Run) -> anyhow::Result<Storm> {
-    let (fake, _dir, target) = serve(run, Kind::Broker, run.crs, Duration::from_secs(30)).await?;
+    let (fake, _dir, target) =
+        serve(run, Kind::Broker, run.crs, Duration::from_secs(30), &[]).await?;
     let channels = clients::connections(target.grpc, run.connections, run.sources).await?;
     fake.clear_requests();
     let n = run.subscribers;
@@ -618,7 +854,7 @@ pub struct Churn {
 pub async fn churn(run: &Run) -> anyhow::Result<Churn> {
     let crs = run.crs;
     let linger = Duration::from_secs(1);
-    let (fake, _dir, target) = serve(run, Kind::Broker, crs, linger).await?;
+    let (fake, _dir, target) = serve(run, Kind::Broker, crs, linger, &[]).await?;
     let channels =
         clients::connections(target.grpc, (run.connections / 10).max(1), run.sources).await?;
     let active = run.churn_subscribers;
@@ -760,7 +996,7 @@ pub struct Idle {
 
 async fn idle_on(run: &Run, kind: Kind) -> anyhow::Result<IdleRun> {
     let crs = run.crs;
-    let (fake, _dir, target) = serve(run, kind, crs, Duration::from_secs(30)).await?;
+    let (fake, _dir, target) = serve(run, kind, crs, Duration::from_secs(30), &[]).await?;
     // Warm every watch first, so the measurement is the sidecars' own cost.
     let warm = clients::connections(target.grpc, 1, 1).await?;
     let recorder = Recorder::new(crs, 0);
@@ -825,7 +1061,7 @@ pub async fn idle(run: &Run) -> anyhow::Result<Idle> {
 pub async fn run_all(run: Run) -> anyhow::Result<()> {
     let fds = stats::raise_fd_limit();
     crate::target::broker_bin(run.broker_bin.clone())?;
-    let sockets = match run.wants("idle") {
+    let sockets = match run.wants("idle") || run.wants("identity") {
         true => run.sidecars.max(run.connections),
         false => run.connections,
     } as u64;
@@ -862,6 +1098,9 @@ pub async fn run_all(run: Run) -> anyhow::Result<()> {
     }
     if run.wants("idle") {
         results.idle = Some(idle(&run).await.context("the idle scenario")?);
+    }
+    if run.wants("identity") {
+        results.identity = Some(identity(&run).await.context("the identity scenario")?);
     }
     results.compute_ratios();
     let summary = report::write(&run.out, &results)?;

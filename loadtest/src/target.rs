@@ -41,8 +41,14 @@ fn free_port() -> anyhow::Result<u16> {
 }
 
 impl Target {
-    /// Starts the broker binary against the API server behind `kubeconfig`.
-    pub async fn broker(bin: &Path, kubeconfig: &Path, linger: Duration) -> anyhow::Result<Target> {
+    /// Starts the broker binary against the API server behind `kubeconfig`, with `args` added
+    /// to its command line.
+    pub async fn broker(
+        bin: &Path,
+        kubeconfig: &Path,
+        linger: Duration,
+        args: &[&str],
+    ) -> anyhow::Result<Target> {
         let grpc: SocketAddr = ([127, 0, 0, 1], free_port()?).into();
         let admin: SocketAddr = ([127, 0, 0, 1], free_port()?).into();
         let child = Command::new(bin)
@@ -55,6 +61,17 @@ impl Target {
             ])
             .args(["--linger", &humantime::format_duration(linger).to_string()])
             .args(["--max-connection-age", "0", "--readiness-interval", "1s"])
+            // A few loopback addresses stand for thousands of sidecars here: no per-caller
+            // limit is meant to bind.
+            .args([
+                "--max-streams-per-caller",
+                "1000000",
+                "--new-watch-rate",
+                "100000",
+                "--new-watch-burst",
+                "100000",
+            ])
+            .args(args)
             .env("KUBECONFIG", kubeconfig)
             .env("RUST_LOG", "warn")
             .stdin(Stdio::null())

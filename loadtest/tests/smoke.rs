@@ -81,11 +81,28 @@ fn the_smoke_configuration_runs_every_scenario_and_loses_nothing() {
             .unwrap()
             > 0.0
     );
+    let identity = &results["identity"];
+    for broker in ["none", "peer_pod"] {
+        assert_eq!(identity[broker]["lost"], 0, "identity {broker}: {identity}");
+        assert_eq!(identity[broker]["errors"], 0, "identity {broker}: {identity}");
+        assert_eq!(identity[broker]["first_new_connection"]["count"], 200);
+    }
+    assert!(identity["pod_lookups"].as_u64().unwrap() >= 1, "{identity}");
+    let cost = &identity["cost"];
+    assert_eq!(cost["errors"], 0, "{cost}");
+    for phase in ["by_pod", "interleaved"] {
+        assert_eq!(
+            cost[phase]["pod_lookups"], cost["pod_ips"],
+            "one lookup per pod: {cost}"
+        );
+    }
     for ratio in [
         "fanout_p50",
         "hot_fanout_p50",
         "warm_first_message_vs_unary",
         "idle_memory",
+        "identity_fanout_p50",
+        "identity_new_connection_first_message",
     ] {
         assert!(
             results["ratios"][ratio].as_f64().is_some_and(|r| r > 0.0),
@@ -95,6 +112,7 @@ fn the_smoke_configuration_runs_every_scenario_and_loses_nothing() {
     }
     let summary = std::fs::read_to_string(out.join("summary.md")).unwrap();
     assert!(summary.contains("(c) reconnect storm"));
+    assert!(summary.contains("The cost of identity"));
     let png = std::fs::read(out.join("latency.png")).unwrap();
     assert!(
         png.starts_with(b"\x89PNG") && png.len() > 10_000,

@@ -334,6 +334,27 @@ impl Access {
         )
     }
 
+    /// Checks that the broker may do what its identity sources need (list pods for
+    /// `peer-pod`, create TokenReviews for `token`); `Err` says what is missing. Run with the
+    /// source's check for readiness.
+    pub async fn check(&self) -> Result<(), String> {
+        let Some(api) = &self.settings.api else {
+            return Ok(());
+        };
+        use crate::source::kubernetes::may;
+        if self.peer_pods.is_some() {
+            may(api, "list", "", "pods")
+                .await
+                .map_err(|e| format!("--identity peer-pod: {e}"))?;
+        }
+        if self.tokens.is_some() {
+            may(api, "create", "authentication.k8s.io", "tokenreviews")
+                .await
+                .map_err(|e| format!("--identity token: {e}"))?;
+        }
+        Ok(())
+    }
+
     /// The state of a new connection.
     pub fn connection(&self, peer: &Peer) -> Arc<ConnIdentity> {
         Arc::new(ConnIdentity {

@@ -21,7 +21,7 @@ use crate::cache::FlightCache;
 
 /// How long a found pod is trusted for new connections from its IP. A new pod on a reused IP
 /// is recognised at most this long (plus a lookup) after the last lookup.
-pub const FOUND_TTL: Duration = Duration::from_secs(1);
+pub const FOUND_TTL: Duration = Duration::from_secs(3);
 
 /// How long "no pod has this IP" is trusted: the kubelet reports a new pod's IP a moment after
 /// its containers start, and a client that connects before then retries.

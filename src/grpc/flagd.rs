@@ -435,6 +435,42 @@ mod tests {
         assert_eq!(flag_configuration(br#"{"spec":{}}"#), NO_FLAGS);
     }
 
+    fn json() -> impl proptest::strategy::Strategy<Value = Value> {
+        use proptest::prelude::*;
+        let leaf = prop_oneof![
+            Just(Value::Null),
+            any::<bool>().prop_map(Value::from),
+            any::<i64>().prop_map(Value::from),
+            "\\PC{0,12}".prop_map(Value::from),
+        ];
+        leaf.prop_recursive(4, 40, 6, |inner| {
+            prop_oneof![
+                prop::collection::vec(inner.clone(), 0..6).prop_map(Value::from),
+                prop::collection::btree_map("[a-z$]{0,6}", inner, 0..6)
+                    .prop_map(|m| Value::Object(m.into_iter().collect())),
+            ]
+        })
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn the_configuration_is_the_flag_spec_whatever_it_holds(spec in json(), rest in json()) {
+            let object = serde_json::json!({ "metadata": { "name": "x" }, "spec": { "flagSpec": spec, "other": rest } });
+            let config: Value = serde_json::from_str(&flag_configuration(object.to_string().as_bytes())).unwrap();
+            if spec.is_object() {
+                proptest::prop_assert_eq!(config, spec);
+            } else {
+                proptest::prop_assert_eq!(config, serde_json::json!({ "flags": {} }));
+            }
+        }
+
+        #[test]
+        fn any_bytes_make_a_configuration_without_panicking(bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..300)) {
+            let config: Value = serde_json::from_str(&flag_configuration(&bytes)).unwrap();
+            proptest::prop_assert!(config.is_object());
+        }
+    }
+
     #[test]
     fn legacy_responses_say_all() {
         let bytes = Protocol::Legacy.encode(NO_FLAGS.into());

@@ -1,5 +1,5 @@
 //! Readiness, one truth for `/readyz` and `grpc.health.v1`: ready once the source answers and
-//! lets the broker read the kinds it serves (checked in the background and cached, never per
+//! lets the broker read the kinds it serves (and do what its identity sources need) (checked in the background and cached, never per
 //! probe), and not while draining. tonic-health starts the overall service "" as SERVING; it is
 //! set NOT_SERVING before anything is served and follows readiness from then on.
 
@@ -11,6 +11,7 @@ use tokio_util::sync::CancellationToken;
 use tonic_health::ServingStatus;
 use tonic_health::server::HealthReporter;
 
+use crate::access::Access;
 use crate::registry::Registry;
 use crate::source::Source;
 
@@ -87,16 +88,25 @@ impl Readiness {
         self.state.borrow().clone()
     }
 
-    /// Checks the source now and then: every `every` while it passes, every second while it
-    /// does not, until the broker drains.
-    pub fn spawn_checks<S: Source>(self: &Arc<Self>, registry: Registry<S>, every: Duration) {
+    /// Checks the source (and that the broker may do what its identity sources need) now and
+    /// then: every `every` while it passes, every second while it does not, until the broker
+    /// drains.
+    pub fn spawn_checks<S: Source>(
+        self: &Arc<Self>,
+        registry: Registry<S>,
+        access: Arc<Access>,
+        every: Duration,
+    ) {
         let readiness = self.clone();
         tokio::spawn(async move {
             loop {
                 if readiness.current().draining {
                     return;
                 }
-                let result = registry.source().check().await;
+                let result = match registry.source().check().await {
+                    Ok(()) => access.check().await,
+                    failed => failed,
+                };
                 if let Err(e) = &result {
                     tracing::warn!(reason = %e, "not ready");
                 }

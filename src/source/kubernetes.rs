@@ -253,46 +253,46 @@ impl Kubernetes {
     }
 }
 
-impl Kubernetes {
-    /// Whether the broker's own identity may `verb` the kind, cluster-wide
-    /// (a SelfSubjectAccessReview).
-    async fn may(&self, verb: &str, names: &KindNames) -> Result<(), String> {
-        use k8s_openapi::api::authorization::v1::{
-            ResourceAttributes, SelfSubjectAccessReview, SelfSubjectAccessReviewSpec,
-        };
-        let review = SelfSubjectAccessReview {
-            spec: SelfSubjectAccessReviewSpec {
-                resource_attributes: Some(ResourceAttributes {
-                    group: Some(names.group.clone()),
-                    resource: Some(names.plural.clone()),
-                    verb: Some(verb.to_string()),
-                    ..ResourceAttributes::default()
-                }),
-                ..SelfSubjectAccessReviewSpec::default()
-            },
-            ..SelfSubjectAccessReview::default()
-        };
-        let reviews: Api<SelfSubjectAccessReview> = Api::all(self.client.clone());
-        let answer = reviews
-            .create(&kube::api::PostParams::default(), &review)
-            .await
-            .map_err(|e| {
-                format!(
-                    "asking whether the broker may {verb} {}.{}: {e}",
-                    names.plural, names.group
-                )
-            })?;
-        match answer.status {
-            Some(status) if status.allowed => Ok(()),
-            status => Err(format!(
-                "the broker may not {verb} {}.{} ({})",
-                names.plural,
-                names.group,
-                status
-                    .and_then(|s| s.reason)
-                    .unwrap_or_else(|| "no reason given".into())
-            )),
-        }
+/// Whether the broker's own identity may `verb` `resource` in `group`, cluster-wide (a
+/// SelfSubjectAccessReview); `Err` says why not, for readiness.
+pub async fn may(
+    client: &kube::Client,
+    verb: &str,
+    group: &str,
+    resource: &str,
+) -> Result<(), String> {
+    use k8s_openapi::api::authorization::v1::{
+        ResourceAttributes, SelfSubjectAccessReview, SelfSubjectAccessReviewSpec,
+    };
+    let review = SelfSubjectAccessReview {
+        spec: SelfSubjectAccessReviewSpec {
+            resource_attributes: Some(ResourceAttributes {
+                group: Some(group.to_string()),
+                resource: Some(resource.to_string()),
+                verb: Some(verb.to_string()),
+                ..ResourceAttributes::default()
+            }),
+            ..SelfSubjectAccessReviewSpec::default()
+        },
+        ..SelfSubjectAccessReview::default()
+    };
+    let qualified = match group {
+        "" => resource.to_string(),
+        g => format!("{resource}.{g}"),
+    };
+    let reviews: Api<SelfSubjectAccessReview> = Api::all(client.clone());
+    let answer = reviews
+        .create(&kube::api::PostParams::default(), &review)
+        .await
+        .map_err(|e| format!("asking whether the broker may {verb} {qualified}: {e}"))?;
+    match answer.status {
+        Some(status) if status.allowed => Ok(()),
+        status => Err(format!(
+            "the broker may not {verb} {qualified} ({})",
+            status
+                .and_then(|s| s.reason)
+                .unwrap_or_else(|| "no reason given".into())
+        )),
     }
 }
 
@@ -403,7 +403,7 @@ impl Source for Kubernetes {
                 .await
                 .map_err(|e| format!("--resource {kind}: {e}"))?;
             for verb in ["list", "watch"] {
-                self.may(verb, &names).await?;
+                may(&self.client, verb, &names.group, &names.plural).await?;
             }
         }
         Ok(())
