@@ -54,6 +54,8 @@ where
                 None => true,
             });
             match live {
+                // Answered already: no need to go through the future.
+                Some(s) if let Some(done) = s.peek() => return done.value.clone(),
                 Some(s) => s.clone(),
                 None => {
                     if slots.len() >= self.capacity && !slots.contains_key(key) {

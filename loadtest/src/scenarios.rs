@@ -690,16 +690,8 @@ async fn identity_cost(run: &Run) -> anyhow::Result<IdentityCost> {
         progress.inc(1);
     }
     progress.finish_and_clear();
-    // Warm every watch from the first loopback pod, so the sidecars only pay for identity.
-    let warm = clients::connections(target.grpc, 1, 1).await?;
-    let recorder = Recorder::new(crs, 0);
-    let (trigger, stop) = tokio_util_like::signal();
-    let names: Vec<String> = (0..crs).map(name).collect();
-    start_subscribers(&warm, &names, 0..crs, true, &recorder, &stop).await;
-    wait_until("the warm-up", Duration::from_secs(60), || {
-        firsts(&recorder) as usize >= crs
-    })
-    .await?;
+    // Every watch warm, so the sidecars pay only for identity.
+    let trigger = warm_every_watch(&target, crs).await?;
     let addr = target.grpc;
     let per_pod = sidecars.div_ceil(pods);
     // Sidecar i runs in pod `pod_of(i)`.
@@ -994,10 +986,9 @@ pub struct Idle {
     pub bare: IdleRun,
 }
 
-async fn idle_on(run: &Run, kind: Kind) -> anyhow::Result<IdleRun> {
-    let crs = run.crs;
-    let (fake, _dir, target) = serve(run, kind, crs, Duration::from_secs(30), &[]).await?;
-    // Warm every watch first, so the measurement is the sidecars' own cost.
+/// One subscriber on each of the `crs` resources, on one connection from 127.0.0.1, until the
+/// returned trigger is stopped: every watch open.
+async fn warm_every_watch(target: &Target, crs: usize) -> anyhow::Result<tokio_util_like::Trigger> {
     let warm = clients::connections(target.grpc, 1, 1).await?;
     let recorder = Recorder::new(crs, 0);
     let (trigger, stop) = tokio_util_like::signal();
@@ -1007,6 +998,14 @@ async fn idle_on(run: &Run, kind: Kind) -> anyhow::Result<IdleRun> {
         firsts(&recorder) as usize >= crs
     })
     .await?;
+    Ok(trigger)
+}
+
+async fn idle_on(run: &Run, kind: Kind) -> anyhow::Result<IdleRun> {
+    let crs = run.crs;
+    let (fake, _dir, target) = serve(run, kind, crs, Duration::from_secs(30), &[]).await?;
+    // Every watch warm first, so the measurement is the sidecars' own cost.
+    let trigger = warm_every_watch(&target, crs).await?;
     tokio::time::sleep(Duration::from_millis(500)).await;
     let before = target.rss();
     let n = run.sidecars;

@@ -84,7 +84,10 @@ fn the_smoke_configuration_runs_every_scenario_and_loses_nothing() {
     let identity = &results["identity"];
     for broker in ["none", "peer_pod"] {
         assert_eq!(identity[broker]["lost"], 0, "identity {broker}: {identity}");
-        assert_eq!(identity[broker]["errors"], 0, "identity {broker}: {identity}");
+        assert_eq!(
+            identity[broker]["errors"], 0,
+            "identity {broker}: {identity}"
+        );
         assert_eq!(identity[broker]["first_new_connection"]["count"], 200);
     }
     assert!(identity["pod_lookups"].as_u64().unwrap() >= 1, "{identity}");

@@ -37,10 +37,10 @@ const DISCOVERY_TIMEOUT: Duration = Duration::from_secs(10);
 /// watch forever (kube's default is no read timeout).
 pub const READ_TIMEOUT: Duration = Duration::from_secs(120);
 
-/// The API groups the server serves, with each one's preferred version.
+/// The API groups the server serves: each one's versions, the preferred first.
 #[derive(Debug)]
 struct Groups {
-    preferred: HashMap<String, String>,
+    versions: HashMap<String, Vec<String>>,
     at: Instant,
 }
 
@@ -111,9 +111,22 @@ impl Kubernetes {
 
     async fn discover(&self, kind: &KindRef) -> Result<(KindNames, String), SourceError> {
         self.precheck(kind)?;
+        // The group list answers for groups and versions that do not exist, so invented ones
+        // cost no request of their own.
+        let versions = self.versions(&kind.group, kind.version.as_deref()).await?;
         let version = match &kind.version {
-            Some(v) => v.clone(),
-            None => self.preferred_version(&kind.group).await?,
+            Some(v) if versions.contains(v) => v.clone(),
+            Some(v) => {
+                return Err(SourceError::UnknownKind(format!(
+                    "the API server serves no {}/{v} (it serves {}: {})",
+                    kind.group,
+                    kind.group,
+                    versions.join(", ")
+                )));
+            }
+            None => versions.first().cloned().ok_or_else(|| {
+                SourceError::UnknownKind(format!("API group {} has no served version", kind.group))
+            })?,
         };
         let group_version = format!("{}/{version}", kind.group);
         let mut listed = self.group_version(&group_version).await?;
@@ -137,17 +150,20 @@ impl Kubernetes {
                     served.join(", ")
                 ))
             })?;
-        let resource = ApiResource::from_gvk_with_plural(
-            &GroupVersionKind::gvk(&kind.group, &version, &names.kind),
-            &names.plural,
-        );
-        self.resources
+        let key = (kind.group.clone(), version.clone(), names.plural.clone());
+        let mut resources = self
+            .resources
             .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .insert(
-                (kind.group.clone(), version.clone(), names.plural.clone()),
-                resource,
+            .unwrap_or_else(PoisonError::into_inner);
+        // Built once per kind (a re-created CRD may have renamed its kind).
+        if resources.get(&key).is_none_or(|r| r.kind != names.kind) {
+            let resource = ApiResource::from_gvk_with_plural(
+                &GroupVersionKind::gvk(&kind.group, &version, &names.kind),
+                &names.plural,
             );
+            resources.insert(key, resource);
+        }
+        drop(resources);
         Ok((names, version))
     }
 
@@ -180,22 +196,27 @@ impl Kubernetes {
             .await
     }
 
-    async fn preferred_version(&self, group: &str) -> Result<String, SourceError> {
+    /// The versions `group` serves, the preferred first; the list is asked for again (at most
+    /// once an [`ABSENT_TTL`]) when it lacks the group or the `wanted` version.
+    async fn versions(
+        &self,
+        group: &str,
+        wanted: Option<&str>,
+    ) -> Result<Vec<String>, SourceError> {
         let mut groups = self.groups().await?;
-        if !groups.preferred.contains_key(group) && groups.at.elapsed() >= ABSENT_TTL {
+        let lacks = |g: &Groups| {
+            g.versions
+                .get(group)
+                .is_none_or(|v| wanted.is_some_and(|w| !v.iter().any(|x| x == w)))
+        };
+        if lacks(&groups) && groups.at.elapsed() >= ABSENT_TTL {
             // Perhaps a CRD made this group since: ask again.
             self.groups.remove(&());
             groups = self.groups().await?;
         }
-        match groups.preferred.get(group) {
-            Some(v) if !v.is_empty() => Ok(v.clone()),
-            Some(_) => Err(SourceError::UnknownKind(format!(
-                "API group {group} has no served version"
-            ))),
-            None => Err(SourceError::UnknownKind(format!(
-                "the API server serves no API group {group}"
-            ))),
-        }
+        groups.versions.get(group).cloned().ok_or_else(|| {
+            SourceError::UnknownKind(format!("the API server serves no API group {group}"))
+        })
     }
 
     async fn groups(&self) -> Discovered<Groups> {
@@ -205,21 +226,24 @@ impl Kubernetes {
                 async move {
                     let answer = bounded(client.list_api_groups()).await.map_err(Into::into);
                     let answer = answer.map(|list| {
-                        let preferred = list
+                        let versions = list
                             .groups
                             .iter()
                             .map(|g| {
-                                let version = g
-                                    .preferred_version
-                                    .as_ref()
-                                    .map(|p| p.version.clone())
-                                    .or_else(|| g.versions.first().map(|v| v.version.clone()))
-                                    .unwrap_or_default();
-                                (g.name.clone(), version)
+                                let preferred = g.preferred_version.as_ref().map(|p| &p.version);
+                                let mut versions: Vec<String> =
+                                    preferred.into_iter().cloned().collect();
+                                versions.extend(
+                                    g.versions
+                                        .iter()
+                                        .map(|v| v.version.clone())
+                                        .filter(|v| Some(v) != preferred),
+                                );
+                                (g.name.clone(), versions)
                             })
                             .collect();
                         Arc::new(Groups {
-                            preferred,
+                            versions,
                             at: Instant::now(),
                         })
                     });

@@ -559,3 +559,14 @@ pub async fn raw_call(
         )),
     }
 }
+
+/// Asserts that `status` has `code` and a message containing `needle`.
+#[track_caller]
+pub fn assert_status(status: &tonic::Status, code: tonic::Code, needle: &str) {
+    assert_eq!(status.code(), code, "{}", status.message());
+    assert!(
+        status.message().contains(needle),
+        "{:?} lacks {needle:?}",
+        status.message()
+    );
+}

@@ -379,14 +379,7 @@ impl FakeApiServer {
         name: &str,
         patch: Value,
     ) -> Result<Value, ApiError> {
-        let (group, version) = group_version.split_once('/').unwrap_or(("", group_version));
-        let scope = self.scope(group, version, plural, Some(namespace))?;
-        let opts = store::WriteOpts::default();
-        Ok(self
-            .shared
-            .state()
-            .patch(&scope, name, store::Patch::Merge(patch), &opts, false)?
-            .object)
+        self.merge_patch_to(group_version, plural, namespace, name, patch, false)
     }
 
     /// Applies a JSON merge patch to an object's `status` subresource, as a controller or the
@@ -399,13 +392,25 @@ impl FakeApiServer {
         name: &str,
         patch: Value,
     ) -> Result<Value, ApiError> {
+        self.merge_patch_to(group_version, plural, namespace, name, patch, true)
+    }
+
+    fn merge_patch_to(
+        &self,
+        group_version: &str,
+        plural: &str,
+        namespace: &str,
+        name: &str,
+        patch: Value,
+        status_only: bool,
+    ) -> Result<Value, ApiError> {
         let (group, version) = group_version.split_once('/').unwrap_or(("", group_version));
         let scope = self.scope(group, version, plural, Some(namespace))?;
         let opts = store::WriteOpts::default();
         Ok(self
             .shared
             .state()
-            .patch(&scope, name, store::Patch::Merge(patch), &opts, true)?
+            .patch(&scope, name, store::Patch::Merge(patch), &opts, status_only)?
             .object)
     }
 
