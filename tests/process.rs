@@ -358,6 +358,13 @@ async fn spans_for_subscriptions_and_watches_reach_an_otlp_collector_configured_
         with_selector("watch"),
         "a span per watch, with the CR: {spans:?}"
     );
+    assert!(
+        spans.iter().any(|(n, attrs)| n == "subscription"
+            && attrs
+                .iter()
+                .any(|(k, v)| k == "caller" && v == "anonymous (127.0.0.1)")),
+        "the caller in the subscription's span: {spans:?}"
+    );
 
     // Without the OTEL_* variables nothing is exported.
     let (quiet_collector, quiet) = collector::start().await;
