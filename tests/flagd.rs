@@ -475,7 +475,7 @@ async fn the_clients_stream_deadline_churn_reuses_the_warm_watch() {
 }
 
 #[tokio::test]
-async fn start_honours_the_identity_and_policy_variables() {
+async fn start_takes_identity_and_policy_as_flags_or_variables() {
     let (fake, dir, kubeconfig) = fake_with_kubeconfig().await;
     run_pod(&fake, "team-a", "web-1", "web", "127.0.0.2");
     for ns in ["team-a", "team-b"] {
@@ -491,9 +491,12 @@ async fn start_honours_the_identity_and_policy_variables() {
             &port.to_string(),
             "--management-port",
             &management.to_string(),
+            "--identity",
+            "peer-pod",
         ],
+        // The policy through the environment; the identity flag wins over the variable.
         &[
-            ("CRD_BROKER_IDENTITY", "peer-pod"),
+            ("CRD_BROKER_IDENTITY", "none"),
             ("CRD_BROKER_POLICY", policy.to_str().unwrap()),
         ],
     );

@@ -69,6 +69,12 @@ pub struct Start {
     /// Debug logging (unless RUST_LOG says otherwise).
     #[arg(long, short = 'x', env = "CRD_BROKER_DEBUG")]
     pub debug: bool,
+    /// How callers are identified, as `serve --identity` (default `none`).
+    #[arg(long, env = "CRD_BROKER_IDENTITY", value_name = "LIST")]
+    pub identity: Option<IdentityList>,
+    /// Which callers may read which namespaces, as `serve --policy`.
+    #[arg(long, env = "CRD_BROKER_POLICY", value_name = "FILE")]
+    pub policy: Option<PathBuf>,
 }
 
 /// A duration where `0` (or `off`) means "never".
@@ -297,6 +303,12 @@ impl Start {
         serve.grpc_addr = MaybeAddr(Some(SocketAddr::from(([0, 0, 0, 0], self.port))));
         serve.admin_addr = MaybeAddr(Some(SocketAddr::from(([0, 0, 0, 0], self.management_port))));
         serve.manifests = None;
+        if let Some(identity) = &self.identity {
+            serve.identity = identity.clone();
+        }
+        if let Some(policy) = &self.policy {
+            serve.policy = Some(policy.clone());
+        }
         if serve.resources.is_empty() {
             serve.resources = vec![FEATURE_FLAGS.parse()?];
         }
