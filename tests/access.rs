@@ -600,6 +600,25 @@ async fn readiness_needs_the_rights_the_identity_sources_use() {
         not_ready.contains("may not create tokenreviews.authentication.k8s.io"),
         "{not_ready}"
     );
+    // The other source's right, alone.
+    fake.clear_faults();
+    fake.deny(fake_apiserver::Deny {
+        verb: Some("list".into()),
+        resource: Some("pods".into()),
+        ..Default::default()
+    });
+    let not_ready = tokio::time::timeout(WAIT, async {
+        loop {
+            let (code, body) = readyz().await;
+            if code == 503 && body.contains("--identity peer-pod") {
+                return body;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await
+    .expect("not ready while the broker may not list pods");
+    assert!(not_ready.contains("may not list pods"), "{not_ready}");
     fake.clear_faults();
     let ready = tokio::time::timeout(WAIT, async {
         while readyz().await.0 != 200 {

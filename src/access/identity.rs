@@ -147,19 +147,29 @@ pub fn spiffe_id(uri: &str, trust_domain: Option<&str>) -> Result<ServiceAccount
 
 /// The identity Istio's proxy vouches for in `x-forwarded-client-cert`: the `URI` of the last
 /// element (the one the local proxy appended; earlier ones came from further away, or from the
-/// client itself).
-pub fn xfcc(header: &str, trust_domain: Option<&str>) -> Result<ServiceAccount, String> {
+/// client itself), with that element's `Hash` (of the client's certificate) if it has one.
+pub fn xfcc(
+    header: &str,
+    trust_domain: Option<&str>,
+) -> Result<(ServiceAccount, Option<String>), String> {
     let last = split_outside_quotes(header, ',')
         .into_iter()
         .rfind(|e| !e.trim().is_empty())
         .ok_or("x-forwarded-client-cert is empty")?;
-    let uri = split_outside_quotes(last, ';')
+    let pairs: Vec<(&str, &str)> = split_outside_quotes(last, ';')
         .into_iter()
         .filter_map(|pair| pair.split_once('='))
-        .find(|(k, _)| k.trim().eq_ignore_ascii_case("uri"))
-        .map(|(_, v)| v.trim().trim_matches('"'))
-        .ok_or("the last x-forwarded-client-cert element has no URI")?;
-    spiffe_id(uri, trust_domain)
+        .map(|(k, v)| (k.trim(), v.trim().trim_matches('"')))
+        .collect();
+    let value = |key: &str| {
+        pairs
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case(key))
+            .map(|(_, v)| *v)
+    };
+    let uri = value("uri").ok_or("the last x-forwarded-client-cert element has no URI")?;
+    let hash = value("hash").map(|h| h.chars().take(16).collect());
+    Ok((spiffe_id(uri, trust_domain)?, hash))
 }
 
 /// The identity Linkerd's proxy puts in `l5d-client-id`:
@@ -286,10 +296,14 @@ mod tests {
     #[test]
     fn xfcc_trusts_the_last_element_only() {
         let header = r#"By=spiffe://cluster.local/ns/broker/sa/crd-broker;Hash=abc;Subject="CN=x,O=y";URI=spiffe://cluster.local/ns/team-a/sa/web"#;
-        assert_eq!(xfcc(header, None).unwrap(), sa("team-a", "web"));
+        assert_eq!(
+            xfcc(header, None).unwrap(),
+            (sa("team-a", "web"), Some("abc".to_string()))
+        );
         // A client that sends its own element gets it followed by the proxy's.
-        let forged = format!("URI=spiffe://cluster.local/ns/kube-system/sa/admin,{header}");
-        assert_eq!(xfcc(&forged, None).unwrap(), sa("team-a", "web"));
+        let forged = format!("URI=spiffe://cluster.local/ns/kube-system/sa/admin;Hash=x,{header}");
+        assert_eq!(xfcc(&forged, None).unwrap().0, sa("team-a", "web"));
+        assert_eq!(xfcc(&forged, None).unwrap().1.as_deref(), Some("abc"));
         assert!(xfcc("By=x;Hash=y", None).is_err());
         assert!(xfcc("", None).is_err());
     }

@@ -18,7 +18,7 @@ use std::fmt;
 use std::net::IpAddr;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock, PoisonError};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError, Weak};
 use std::time::Duration;
 
 use http::HeaderMap;
@@ -239,12 +239,6 @@ pub struct Access {
 }
 
 impl Access {
-    /// Identity off, no policy, default limits: what tests and the manifests quickstart run.
-    pub fn open(metrics: Arc<Metrics>) -> Arc<Access> {
-        let policy = policy::Current::fixed(Policy::default());
-        Self::assemble(Settings::default(), policy, metrics)
-    }
-
     /// The access layer `settings` describe; refuses settings that cannot work: a source that
     /// needs the API server without one, `mtls` without client certificates checked, a policy
     /// without identity, a policy file that does not parse.
@@ -267,26 +261,37 @@ impl Access {
                 "--identity mtls needs client certificates: give --tls-client-ca (with --tls-cert and --tls-key)"
             );
         }
-        let reloads = metrics.clone();
+        // The reloader hears of each reload; once a policy is in force it ends the streams that
+        // policy no longer allows. It holds the access layer weakly, and ends with it.
+        let this: Arc<OnceLock<Weak<Access>>> = Arc::default();
+        let reloads = (metrics.clone(), this.clone());
         let policy = match &settings.policy {
             None => policy::Current::fixed(Policy::default()),
             Some(path) => policy::Current::watch_file(
                 path.clone(),
                 settings.policy_reload_interval,
-                move |result| {
-                    let result = match result {
-                        Ok(_) => ReloadResult::Loaded,
+                move |loaded| {
+                    let (metrics, this) = &reloads;
+                    let result = match loaded {
+                        Ok(()) => ReloadResult::Loaded,
                         Err(_) => ReloadResult::Refused,
                     };
-                    reloads
+                    metrics
                         .policy_reloads
                         .get_or_create(&ReloadLabels { result })
                         .inc();
+                    if loaded.is_ok()
+                        && let Some(access) = this.get().and_then(Weak::upgrade)
+                    {
+                        access.revoke_what_the_policy_forbids();
+                    }
                 },
             )
             .map_err(anyhow::Error::msg)?,
         };
-        Ok(Self::assemble(settings, policy, metrics))
+        let access = Self::assemble(settings, policy, metrics);
+        let _ = this.set(Arc::downgrade(&access));
+        Ok(access)
     }
 
     fn assemble(settings: Settings, policy: policy::Current, metrics: Arc<Metrics>) -> Arc<Access> {
@@ -302,7 +307,7 @@ impl Access {
                     .map(|api| Tokens::new(api, settings.token_audiences.clone()))
             })
             .flatten();
-        let access = Arc::new(Access {
+        Arc::new(Access {
             limits: limits::Limits::new(settings.limits),
             settings,
             peer_pods,
@@ -311,19 +316,12 @@ impl Access {
             open: Arc::default(),
             next_ticket: AtomicU64::new(1),
             metrics,
-        });
-        access.spawn_revocations();
-        access
+        })
     }
 
     /// Whether callers are identified (`--identity` is not `none`).
     pub fn identifies(&self) -> bool {
         !self.settings.identity.0.is_empty()
-    }
-
-    /// The policy in force.
-    pub fn policy(&self) -> Arc<Policy> {
-        self.policy.get()
     }
 
     /// API requests the identity sources have made: pod lookups and token reviews.
@@ -512,8 +510,12 @@ impl Access {
             (!values.is_empty()).then(|| values.join(","))
         };
         let found = if let Some(xfcc) = joined("x-forwarded-client-cert") {
-            identity::xfcc(&xfcc, self.settings.trust_domain.as_deref())
-                .map(|sa| (sa, Some(xfcc_hash(&xfcc))))
+            identity::xfcc(&xfcc, self.settings.trust_domain.as_deref()).map(|(sa, hash)| {
+                (
+                    sa,
+                    Some(hash.unwrap_or_else(|| fingerprint(xfcc.as_bytes()))),
+                )
+            })
         } else if let Some(id) = headers.get("l5d-client-id").and_then(|v| v.to_str().ok()) {
             identity::l5d_client_id(id).map(|sa| (sa, None))
         } else {
@@ -576,10 +578,7 @@ impl Access {
             .limits
             .admit(caller.limit_key(&self.settings.mesh_proxies), new_watches)
             .map_err(|(limit, why)| {
-                self.metrics
-                    .limit_hits
-                    .get_or_create(&LimitLabels { limit })
-                    .inc();
+                self.count_limit(limit);
                 Status::resource_exhausted(format!("{caller}: {why}"))
             })?;
         let revoked = CancellationToken::new();
@@ -618,21 +617,7 @@ impl Access {
             .inc();
     }
 
-    /// Re-checks every open stream whenever the policy changes, ending those it no longer
-    /// allows.
-    fn spawn_revocations(self: &Arc<Self>) {
-        let mut policy = self.policy.clone();
-        let access = Arc::downgrade(self);
-        tokio::spawn(async move {
-            while policy.changed().await {
-                let Some(access) = access.upgrade() else {
-                    return;
-                };
-                access.revoke_what_the_policy_forbids();
-            }
-        });
-    }
-
+    /// Ends every open stream the policy now in force no longer allows.
     fn revoke_what_the_policy_forbids(&self) {
         let policy = self.policy.get();
         let open = self.open.lock().unwrap_or_else(PoisonError::into_inner);
@@ -671,16 +656,6 @@ fn fingerprint(der: &[u8]) -> String {
         .iter()
         .map(|b| format!("{b:02x}"))
         .collect()
-}
-
-/// The `Hash=` of the last XFCC element (the client certificate's hash), else a hash of it all.
-fn xfcc_hash(header: &str) -> String {
-    let last = header.rsplit(',').next().unwrap_or(header);
-    last.split(';')
-        .filter_map(|p| p.split_once('='))
-        .find(|(k, _)| k.trim().eq_ignore_ascii_case("hash"))
-        .map(|(_, v)| v.trim().chars().take(16).collect())
-        .unwrap_or_else(|| fingerprint(last.as_bytes()))
 }
 
 /// A stream's admission: it counts the stream against its caller's limit while it lives, and

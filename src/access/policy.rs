@@ -323,11 +323,12 @@ impl Current {
 
     /// The policy in `path`, which must parse now, and is then read every `every`: a change
     /// that parses replaces it, one that does not is logged and the policy in force stays;
-    /// `on_reload` hears of each.
+    /// `on_reload` hears of each, after the new policy is in force. It stops when the policy's
+    /// last reader is gone.
     pub fn watch_file(
         path: PathBuf,
         every: Duration,
-        on_reload: impl Fn(Result<&Policy, &str>) + Send + 'static,
+        on_reload: impl Fn(Result<(), &str>) + Send + 'static,
     ) -> Result<Self, String> {
         let text = std::fs::read(&path)
             .map_err(|e| format!("reading the policy {}: {e}", path.display()))?;
@@ -355,8 +356,8 @@ impl Current {
                 match parsed {
                     Ok(policy) => {
                         tracing::info!(policy = %path.display(), grants = policy.grants.len(), "policy reloaded");
-                        on_reload(Ok(&policy));
                         tx.send_replace(Arc::new(policy));
+                        on_reload(Ok(()));
                     }
                     Err(error) => {
                         tracing::error!(%error, "the changed policy does not parse; keeping the one in force");
@@ -371,11 +372,6 @@ impl Current {
     /// The policy in force.
     pub fn get(&self) -> Arc<Policy> {
         self.rx.borrow().clone()
-    }
-
-    /// Waits for the next policy; `false` when there will be none.
-    pub async fn changed(&mut self) -> bool {
-        self.rx.changed().await.is_ok()
     }
 }
 
