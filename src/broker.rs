@@ -27,6 +27,8 @@ pub struct Config {
     pub linger: Duration,
     /// How often the source's readiness is checked.
     pub readiness_interval: Duration,
+    /// How long the broker stays ready, serving what it knows, while the source fails.
+    pub max_staleness: Duration,
     /// Connections: age, keepalive, limits, drain.
     pub transport: transport::Config,
     /// The most resources watched at once (`--max-watches`).
@@ -44,6 +46,7 @@ impl Default for Config {
         Config {
             linger: DEFAULT_LINGER,
             readiness_interval: Duration::from_secs(10),
+            max_staleness: crate::ops::health::DEFAULT_MAX_STALENESS,
             transport: transport::Config::default(),
             max_watches: DEFAULT_MAX_WATCHES,
             access: access::Settings::default(),
@@ -121,8 +124,13 @@ impl<S: Source> Running<S> {
             config.max_watches,
         );
         let (reporter, health) = tonic_health::server::health_reporter();
-        let readiness = Readiness::new(reporter, shutdown.clone());
-        readiness.spawn_checks(registry.clone(), access.clone(), config.readiness_interval);
+        let readiness = Readiness::new(reporter, shutdown.clone(), config.max_staleness);
+        readiness.spawn_checks(
+            registry.clone(),
+            access.clone(),
+            config.readiness_interval,
+            metrics.clone(),
+        );
         if let Some(admin) = admin {
             crate::ops::admin::spawn(admin, readiness.clone(), registry.clone(), metrics.clone());
         }

@@ -2,6 +2,7 @@
 //! (OpenTelemetry over OTLP, configured only by the standard `OTEL_*` variables, off when unset).
 
 use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
 use std::time::Duration;
 
 use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue};
@@ -284,6 +285,8 @@ pub struct Metrics {
     pub denials: Family<DenialLabels, Counter>,
     /// Policy reloads, by result.
     pub policy_reloads: Family<ReloadLabels, Counter>,
+    /// Seconds since the source last passed its check, while it fails; 0 while it passes.
+    pub source_stale_seconds: Gauge<f64, AtomicU64>,
 }
 
 fn latency_histogram() -> Histogram {
@@ -309,6 +312,7 @@ impl Default for Metrics {
             identifications: Family::default(),
             denials: Family::default(),
             policy_reloads: Family::default(),
+            source_stale_seconds: Gauge::default(),
             registry: Registry::default(),
         };
         registry.register(
@@ -366,6 +370,11 @@ impl Default for Metrics {
             "policy_reloads",
             "Policy file reloads, by result",
             m.policy_reloads.clone(),
+        );
+        registry.register(
+            "source_stale_seconds",
+            "Seconds since the source (the API server) last answered its check, while it fails; 0 while it answers",
+            m.source_stale_seconds.clone(),
         );
         let grpc = registry.sub_registry_with_prefix("grpc");
         grpc.register("started", "gRPC requests received", m.grpc_started.clone());

@@ -9,16 +9,11 @@ use serde_json::Value;
 use tokio::io::{AsyncBufReadExt, BufReader, Lines};
 use tokio::process::{Child, ChildStdout, Command};
 
+mod support;
+use support::free_port;
+
 const BIN: &str = env!("CARGO_BIN_EXE_crd-broker");
 const EXAMPLES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/manifests");
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
 
 fn copy_examples(to: &Path) {
     for entry in std::fs::read_dir(EXAMPLES).unwrap() {
@@ -201,7 +196,7 @@ async fn json_logs_are_one_object_per_line() {
         .unwrap();
     let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
     let mut seen = Vec::new();
-    while seen.len() < 2 {
+    while !seen.iter().any(|m| m == "crd-broker serving") && seen.len() < 5 {
         let line = tokio::time::timeout(Duration::from_secs(10), lines.next_line())
             .await
             .unwrap()

@@ -326,14 +326,6 @@ async fn http_get(port: u16, path: &str) -> String {
     response
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 /// `crd-broker start ARGS` on the API server behind `kubeconfig`.
 fn start_command(
     kubeconfig: &std::path::Path,

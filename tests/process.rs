@@ -20,14 +20,6 @@ use tonic_health::pb::health_client::HealthClient;
 
 const BIN: &str = env!("CARGO_BIN_EXE_crd-broker");
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 struct Process {
     child: Child,
     grpc: SocketAddr,

@@ -202,6 +202,10 @@ pub struct Serve {
     /// How often readiness (the source answers, and may be read) is checked.
     #[arg(long, env = "CRD_BROKER_READINESS_INTERVAL", default_value = "10s", value_parser = humantime::parse_duration)]
     pub readiness_interval: Duration,
+    /// Once the source has answered, how long the broker stays ready and serves last-known
+    /// states while the API server is unreachable or failing (`0`: not at all).
+    #[arg(long, env = "CRD_BROKER_MAX_STALENESS", default_value = "5m", value_parser = humantime::parse_duration)]
+    pub max_staleness: Duration,
     /// The largest request message taken, in bytes (a larger one is RESOURCE_EXHAUSTED).
     #[arg(long, env = "CRD_BROKER_MAX_REQUEST_BYTES", default_value_t = transport::DEFAULT_MAX_REQUEST_BYTES)]
     pub max_request_bytes: usize,
@@ -322,6 +326,7 @@ impl Serve {
         broker::Config {
             linger: self.linger,
             readiness_interval: self.readiness_interval,
+            max_staleness: self.max_staleness,
             transport: transport::Config {
                 max_connection_age: self.max_connection_age.0,
                 max_connection_age_grace: self.max_connection_age_grace,

@@ -14,7 +14,8 @@ use crate::selector::Selector;
 pub enum Output {
     /// Columns, like `kubectl get -w`.
     Text,
-    /// One JSON object per line: `event`, `selector`, `resourceVersion`, `uid`, `object`.
+    /// One JSON object per line: `event`, `selector`, `resourceVersion`, `uid`, `object` (for
+    /// FAILED: `event`, `selector`, `code`, `message`).
     Json,
 }
 
@@ -40,6 +41,7 @@ fn event_name(e: Event) -> &'static str {
         Event::Updated => "UPDATED",
         Event::Deleted => "DELETED",
         Event::Absent => "ABSENT",
+        Event::Failed => "FAILED",
         Event::Unspecified => "UNSPECIFIED",
     }
 }
@@ -48,6 +50,12 @@ fn event_name(e: Event) -> &'static str {
 pub fn format(response: &pb::SubscribeResponse, output: Output) -> String {
     let event = event_name(response.event());
     match output {
+        Output::Text if response.event() == Event::Failed => format!(
+            "{event:<9} {:<60} {:?}: {}",
+            response.selector,
+            tonic::Code::from_i32(response.error_code),
+            response.error_message
+        ),
         Output::Text => format!(
             "{event:<9} {:<60} {}",
             response.selector,
@@ -57,6 +65,13 @@ pub fn format(response: &pb::SubscribeResponse, output: Output) -> String {
                 &response.resource_version
             }
         ),
+        Output::Json if response.event() == Event::Failed => json!({
+            "event": event,
+            "selector": response.selector,
+            "code": format!("{:?}", tonic::Code::from_i32(response.error_code)),
+            "message": response.error_message,
+        })
+        .to_string(),
         Output::Json => {
             let object: Value = serde_json::from_slice(&response.object).unwrap_or(Value::Null);
             json!({

@@ -284,7 +284,9 @@ fn configurations(
     move |state| {
         let wire = match state {
             State::Pending => return Next::Wait,
-            State::Failed(e) if last.is_none() => return Next::Fail(source_status(0, e)),
+            State::Failed(e) if last.is_none() && !e.is_outage() => {
+                return Next::Fail(source_status(0, e));
+            }
             State::Failed(_) => return Next::Wait,
             State::Present(u) => u.wire(protocol.slot(), |o| {
                 protocol.encode(flag_configuration(&o.json))

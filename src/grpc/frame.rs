@@ -52,6 +52,18 @@ pub fn encode_absent(selector: &str) -> Bytes {
     .into()
 }
 
+/// The shared fields of a FAILED response: the selector and the status.
+pub fn encode_failed(selector: &str, status: &tonic::Status) -> Bytes {
+    pb::SubscribeResponse {
+        selector: selector.to_string(),
+        error_code: status.code() as i32,
+        error_message: status.message().to_string(),
+        ..Default::default()
+    }
+    .encode_to_vec()
+    .into()
+}
+
 /// A whole message, already encoded.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Encoded(pub Bytes);

@@ -3,6 +3,7 @@
 
 use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use futures::stream::{self, BoxStream, Stream, StreamExt};
@@ -210,6 +211,8 @@ impl<S: Source> Broker for BrokerService<S> {
             selector = %names.join(" "),
             caller = %caller
         );
+        // Whether any part has sent: a part that fails after that sends FAILED and goes on.
+        let served = Arc::new(AtomicBool::new(false));
         let mut streams: Vec<_> = canonical
             .iter()
             .zip(subscriptions)
@@ -222,7 +225,12 @@ impl<S: Source> Broker for BrokerService<S> {
                     started,
                     subscription.cold,
                 );
-                let next = native_messages(i as u32, Arc::from(selector.to_string()), delivery);
+                let next = native_messages(
+                    i as u32,
+                    Arc::from(selector.to_string()),
+                    delivery,
+                    served.clone(),
+                );
                 let end = End::new(drain.clone(), Some(ticket.clone()));
                 Messages::new(subscription, end, span.clone(), next).boxed()
             })
@@ -354,6 +362,8 @@ pub(crate) enum Step {
 pub(crate) fn step(sent: &Sent, state: &State) -> Step {
     match (state, sent) {
         (State::Pending, _) => Step::Skip,
+        // The source retries: the subscriber waits for its answer.
+        (State::Failed(e), Sent::Nothing) if e.is_outage() => Step::Skip,
         (State::Failed(e), Sent::Nothing) => Step::Fail(e.clone()),
         (State::Failed(_), _) => Step::Skip,
         (State::Present(now), Sent::Present(was)) if Arc::ptr_eq(now, was) => Step::Skip,
@@ -375,16 +385,34 @@ pub(crate) fn step(sent: &Sent, state: &State) -> Step {
 }
 
 /// What a native subscriber is sent about one resource: its state at once, then each change.
+/// `served` is shared by the parts of one stream: once one has sent, a part that fails says so
+/// in a FAILED event instead of ending the others' stream.
 fn native_messages(
     index: u32,
     selector: Arc<str>,
     mut delivery: Delivery,
+    served: Arc<AtomicBool>,
 ) -> impl FnMut(&State) -> Next<Frame> + Send + Unpin + 'static {
     let mut sent = Sent::Nothing;
+    let mut failed: Option<SourceError> = None;
     move |state| match step(&sent, state) {
         Step::Skip => Next::Wait,
+        Step::Fail(error) if served.load(Ordering::Acquire) => {
+            if failed.as_ref() == Some(&error) {
+                return Next::Wait;
+            }
+            let status = source_status(index as usize, &error);
+            failed = Some(error);
+            Next::Send(Frame {
+                index,
+                event: Event::Failed,
+                shared: frame::encode_failed(&selector, &status),
+            })
+        }
         Step::Fail(error) => Next::Fail(source_status(index as usize, &error)),
         Step::Send(event, update) => {
+            served.store(true, Ordering::Release);
+            failed = None;
             delivery.sent(update.as_deref());
             let shared = match &update {
                 Some(u) => {

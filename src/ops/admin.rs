@@ -119,6 +119,11 @@ async fn watches(State(admin): State<Arc<Admin>>) -> Response {
                 "lastEvent": w.last_event.map(rfc3339),
                 "resourceVersion": w.resource_version,
                 "errors": w.errors,
+                "staleSince": w.stale_since.map(rfc3339),
+                "staleSeconds": w
+                    .stale_since
+                    .map(|t| now.duration_since(t).unwrap_or_default().as_secs())
+                    .unwrap_or(0),
             })
         })
         .collect();

@@ -188,6 +188,9 @@ pub struct WatchStatus {
     pub resource_version: Option<String>,
     /// Errors the source reported since the watch started.
     pub errors: u64,
+    /// Since when the source has reported only errors, if its last report was one: the state
+    /// subscribers hold may be stale since then.
+    pub stale_since: Option<SystemTime>,
 }
 
 #[derive(Debug)]
@@ -197,6 +200,7 @@ struct Stats {
     left: Mutex<Instant>,
     last_event: Mutex<Option<SystemTime>>,
     errors: AtomicU64,
+    stale_since: Mutex<Option<SystemTime>>,
 }
 
 struct Entry {
@@ -332,6 +336,7 @@ impl<S: Source> Registry<S> {
                     left: Mutex::new(Instant::now()),
                     last_event: Mutex::new(None),
                     errors: AtomicU64::new(0),
+                    stale_since: Mutex::new(None),
                 });
                 v.insert(Entry {
                     tx: tx.clone(),
@@ -398,6 +403,10 @@ impl<S: Source> Registry<S> {
                         .unwrap_or_else(PoisonError::into_inner),
                     resource_version,
                     errors: stats.errors.load(Ordering::Relaxed),
+                    stale_since: *stats
+                        .stale_since
+                        .lock()
+                        .unwrap_or_else(PoisonError::into_inner),
                 }
             })
             .collect();
@@ -483,10 +492,23 @@ fn publish(
     labels: &ResourceLabels,
     item: Result<Observed, SourceError>,
 ) {
+    let now = SystemTime::now();
     *stats
         .last_event
         .lock()
-        .unwrap_or_else(PoisonError::into_inner) = Some(SystemTime::now());
+        .unwrap_or_else(PoisonError::into_inner) = Some(now);
+    {
+        let mut stale = stats
+            .stale_since
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        match &item {
+            Ok(_) => *stale = None,
+            Err(_) => {
+                stale.get_or_insert(now);
+            }
+        }
+    }
     let subscribers = tx.receiver_count();
     let modified = match item {
         Ok(Observed::Present(object)) => tx.send_if_modified(|state| match state {

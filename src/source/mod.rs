@@ -12,6 +12,7 @@ use crate::selector::{KindRef, Selector};
 
 pub mod kubernetes;
 pub mod manifests;
+pub mod retry;
 
 /// One object's state, as a source observed it.
 #[derive(Debug, Clone, PartialEq)]
@@ -68,6 +69,12 @@ pub enum SourceError {
 }
 
 impl SourceError {
+    /// Whether this is an outage of the source (it failed or cannot be reached), which a
+    /// subscriber waits out, rather than an answer about the resource.
+    pub fn is_outage(&self) -> bool {
+        matches!(self, SourceError::Unavailable(_))
+    }
+
     /// A short label for metrics.
     pub fn reason(&self) -> &'static str {
         match self {

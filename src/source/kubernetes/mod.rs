@@ -1,25 +1,27 @@
 //! The Kubernetes source: one shared kube-rs `Client`, discovery on first use (so a CRD
-//! installed after start works without a restart), and one `watch_object` per resource — a LIST
-//! and a WATCH with `fieldSelector=metadata.name=…`, with kube's default backoff.
+//! installed after start works without a restart), and one [`follow`] per resource — a LIST and
+//! a WATCH with `fieldSelector=metadata.name=…`, retried with the broker's own backoff.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
+use futures::FutureExt;
 use futures::stream::BoxStream;
-use futures::{FutureExt, StreamExt};
 use kube::api::{Api, DynamicObject};
 use kube::core::{ApiResource, GroupVersionKind};
-use kube::runtime::WatchStreamExt;
-use kube::runtime::watcher::{self, watch_object};
 use tokio::time::Instant;
 
+use super::retry::Recovery;
 use super::{KindNames, Object, Observed, Source, SourceError};
 use crate::cache::FlightCache;
 use crate::selector::{KindRef, Selector};
 
-/// How long a discovery answer is trusted before it is asked again.
-const DISCOVERY_TTL: Duration = Duration::from_secs(30);
+mod follow;
+
+/// How long a discovery answer is trusted before it is asked again (the last one that worked is
+/// still used while asking fails).
+pub const DISCOVERY_TTL: Duration = Duration::from_secs(30);
 
 /// How long an answer that something does not exist is trusted: a CRD installed a moment ago is
 /// found this long after, at most, and asking for invented groups or kinds costs at most one
@@ -60,29 +62,68 @@ pub struct Kubernetes {
     groups: FlightCache<(), Discovered<Groups>>,
     group_versions: FlightCache<String, Discovered<GroupVersion>>,
     resources: Mutex<HashMap<(String, String, String), ApiResource>>,
+    /// The last discovery answers that worked, for when asking again fails. Only group-versions
+    /// the API server served are kept, so invented ones cannot grow it.
+    last_groups: Mutex<Option<Arc<Groups>>>,
+    last_group_versions: Mutex<HashMap<String, Arc<GroupVersion>>>,
+    discovery_ttl: Duration,
+    recovery: Arc<Recovery>,
 }
 
-/// A discovery answer with how long it may be served: a while when it worked, briefly when it
+/// A discovery answer with how long it may be served: `worked` when it worked, briefly when it
 /// says the thing does not exist, not at all (beyond the requests already waiting) when the API
 /// server failed.
-fn ttl<T>(answer: &Discovered<T>) -> Duration {
+fn ttl<T>(answer: &Discovered<T>, worked: Duration) -> Duration {
     match answer {
-        Ok(_) => DISCOVERY_TTL,
+        Ok(_) => worked,
         Err(SourceError::UnknownKind(_)) => ABSENT_TTL,
         Err(_) => Duration::ZERO,
+    }
+}
+
+/// `answer`, or the last one that worked if the API server failed to give it (and remembers an
+/// answer that worked as the last). An outage of the API server does not make the kinds it
+/// served unknown: the broker keeps resolving them, and serving the watches it holds.
+fn or_last<T>(answer: Discovered<T>, last: &Mutex<Option<Arc<T>>>) -> Discovered<T> {
+    let mut last = last.lock().unwrap_or_else(PoisonError::into_inner);
+    match answer {
+        Ok(worked) => {
+            *last = Some(worked.clone());
+            Ok(worked)
+        }
+        Err(e) if e.is_outage() => last.clone().ok_or(e),
+        Err(e) => {
+            *last = None;
+            Err(e)
+        }
     }
 }
 
 impl Kubernetes {
     /// A source on `client`, serving the kinds `allowed` names (any kind, if empty).
     pub fn new(client: kube::Client, allowed: Vec<KindRef>) -> Self {
+        let probing = client.clone();
+        let recovery = Recovery::new(Arc::new(move || {
+            let client = probing.clone();
+            async move { client.apiserver_version().await.is_ok() }.boxed()
+        }));
         Kubernetes {
+            recovery,
             client,
             allowed,
             groups: FlightCache::new(1),
             group_versions: FlightCache::new(DISCOVERY_CAPACITY),
             resources: Mutex::new(HashMap::new()),
+            last_groups: Mutex::new(None),
+            last_group_versions: Mutex::new(HashMap::new()),
+            discovery_ttl: DISCOVERY_TTL,
         }
+    }
+
+    /// As it is, with discovery answers trusted for `ttl` instead of [`DISCOVERY_TTL`].
+    pub fn with_discovery_ttl(mut self, ttl: Duration) -> Self {
+        self.discovery_ttl = ttl;
+        self
     }
 
     /// A source on the client kube infers from the environment: `KUBECONFIG` (or
@@ -144,7 +185,7 @@ impl Kubernetes {
             .cloned()
             .ok_or_else(|| {
                 let served: Vec<&str> = listed.kinds.iter().map(|n| n.plural.as_str()).collect();
-                SourceError::UnknownKind(format!(
+                self.unknown(format!(
                     "the API server serves no resource {:?} in {group_version} (it serves: {})",
                     kind.resource,
                     served.join(", ")
@@ -167,7 +208,54 @@ impl Kubernetes {
         Ok((names, version))
     }
 
+    /// That something is not served — unless the API server is down, and the answer that says
+    /// so is only the last one it gave.
+    fn unknown(&self, message: String) -> SourceError {
+        if self.recovery.is_down() {
+            SourceError::Unavailable(format!(
+                "the API server cannot be reached, and the last discovery did not find it: {message}"
+            ))
+        } else {
+            SourceError::UnknownKind(message)
+        }
+    }
+
     async fn group_version(&self, group_version: &str) -> Discovered<GroupVersion> {
+        let last = self
+            .last_group_versions
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(group_version)
+            .cloned();
+        // While the API server is known to be down, the last answer serves at once.
+        if let Some(last) = &last
+            && self.recovery.is_down()
+        {
+            return Ok(last.clone());
+        }
+        let answer = self.fetch_group_version(group_version).await;
+        let mut lasts = self
+            .last_group_versions
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        match answer {
+            Ok(worked) => {
+                lasts.insert(group_version.to_string(), worked.clone());
+                Ok(worked)
+            }
+            Err(e) if e.is_outage() => {
+                self.recovery.suspect();
+                last.ok_or(e)
+            }
+            Err(e) => {
+                lasts.remove(group_version);
+                Err(e)
+            }
+        }
+    }
+
+    async fn fetch_group_version(&self, group_version: &str) -> Discovered<GroupVersion> {
+        let worked = self.discovery_ttl;
         let client = self.client.clone();
         let gv = group_version.to_string();
         self.group_versions
@@ -188,7 +276,7 @@ impl Kubernetes {
                                 at: Instant::now(),
                             })
                         });
-                    let ttl = ttl(&answer);
+                    let ttl = ttl(&answer, worked);
                     (answer, ttl)
                 }
                 .boxed()
@@ -214,12 +302,32 @@ impl Kubernetes {
             self.groups.remove(&());
             groups = self.groups().await?;
         }
-        groups.versions.get(group).cloned().ok_or_else(|| {
-            SourceError::UnknownKind(format!("the API server serves no API group {group}"))
-        })
+        groups
+            .versions
+            .get(group)
+            .cloned()
+            .ok_or_else(|| self.unknown(format!("the API server serves no API group {group}")))
     }
 
     async fn groups(&self) -> Discovered<Groups> {
+        if self.recovery.is_down()
+            && let Some(last) = self
+                .last_groups
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .clone()
+        {
+            return Ok(last);
+        }
+        let answer = self.fetch_groups().await;
+        if answer.as_ref().is_err_and(SourceError::is_outage) {
+            self.recovery.suspect();
+        }
+        or_last(answer, &self.last_groups)
+    }
+
+    async fn fetch_groups(&self) -> Discovered<Groups> {
+        let worked = self.discovery_ttl;
         let client = self.client.clone();
         self.groups
             .get(&(), move || {
@@ -247,7 +355,7 @@ impl Kubernetes {
                             at: Instant::now(),
                         })
                     });
-                    let ttl = ttl(&answer);
+                    let ttl = ttl(&answer, worked);
                     (answer, ttl)
                 }
                 .boxed()
@@ -392,16 +500,6 @@ fn api_error(error: kube::Error, what: &str) -> SourceError {
     }
 }
 
-fn watch_error(error: watcher::Error, what: &str) -> SourceError {
-    match error {
-        watcher::Error::InitialListFailed(e)
-        | watcher::Error::WatchStartFailed(e)
-        | watcher::Error::WatchFailed(e) => api_error(e, what),
-        watcher::Error::WatchError(s) => api_error(kube::Error::Api(s), what),
-        other => SourceError::Unavailable(format!("watching {what}: {other}")),
-    }
-}
-
 fn to_object(obj: &DynamicObject) -> Object {
     Object {
         json: serde_json::to_vec(obj).unwrap_or_default().into(),
@@ -434,14 +532,11 @@ impl Source for Kubernetes {
     }
 
     fn watch(&self, selector: &Selector) -> BoxStream<'static, Result<Observed, SourceError>> {
-        let what = selector.to_string();
-        watch_object(self.api(selector), &selector.name)
-            .default_backoff()
-            .map(move |item| match item {
-                Ok(Some(obj)) => Ok(Observed::Present(to_object(&obj))),
-                Ok(None) => Ok(Observed::Absent),
-                Err(e) => Err(watch_error(e, &what)),
-            })
-            .boxed()
+        follow::follow(
+            self.api(selector),
+            &selector.name,
+            selector.to_string(),
+            self.recovery.clone(),
+        )
     }
 }

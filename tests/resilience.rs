@@ -1,0 +1,224 @@
+//! The broker as the steady part: through an outage of the API server it stays ready and serves
+//! what it knows; it returns within moments of the server's return; a quiet resource that keeps
+//! meeting faults is not left unwatched; a stream naming several resources survives one failing.
+
+mod support;
+
+use std::time::{Duration, Instant};
+
+use crd_broker::broker::{Config, Listeners, Running};
+use crd_broker::pb::subscribe_response::Event;
+use crd_broker::source::kubernetes::Kubernetes;
+use fake_apiserver::{FakeApiServer, Matcher};
+use support::*;
+use tokio::net::TcpListener;
+use tonic::Code;
+
+/// A broker on the fake with an admin port, checked every 200 ms, ready through `staleness` of
+/// failures, its discovery answers trusted for `discovery_ttl`.
+async fn steady_broker(
+    fake: &FakeApiServer,
+    staleness: Duration,
+    discovery_ttl: Duration,
+) -> Running<Kubernetes> {
+    let listeners = Listeners {
+        tcp: Some(TcpListener::bind("127.0.0.1:0").await.unwrap()),
+        admin: Some(TcpListener::bind("127.0.0.1:0").await.unwrap()),
+        ..Listeners::default()
+    };
+    let config = Config {
+        linger: Duration::from_secs(30),
+        readiness_interval: Duration::from_millis(200),
+        max_staleness: staleness,
+        ..Config::default()
+    };
+    let source = Kubernetes::new(kube_client(fake), vec![]).with_discovery_ttl(discovery_ttl);
+    Running::start_with(listeners, source, config).expect("the broker starts")
+}
+
+async fn wait_for(what: &str, mut done: impl AsyncFnMut() -> bool) {
+    let ok = tokio::time::timeout(WAIT, async {
+        while !done().await {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    assert!(ok.is_ok(), "{what}");
+}
+
+fn patch(fake: &FakeApiServer, name: &str, variant: &str) {
+    fake.merge_patch(GV, "featureflags", "default", name, variant_patch(variant))
+        .unwrap();
+}
+
+#[tokio::test]
+async fn through_an_outage_held_resources_are_served_at_once_new_ones_wait_and_all_return() {
+    let fake = fake().await;
+    fake.apply(flag("demo", "v0")).unwrap();
+    fake.apply(flag("other", "o0")).unwrap();
+    // Discovery answers expire every 300 ms here: long outages outlive them.
+    let broker = steady_broker(&fake, Duration::from_secs(60), Duration::from_millis(300)).await;
+    let admin = broker.admin_addr.unwrap();
+    wait_for("ready", async || http_get(admin, "/readyz").await.0 == 200).await;
+    let mut client = connect(broker.addr).await;
+    let mut held = subscribe(&mut client, &[&demo("demo")]).await;
+    assert!(is(&next(&mut held).await, Event::Snapshot, "v0"));
+
+    fake.stop_listening();
+    wait_for("readyz says the source fails", async || {
+        let (code, body) = http_get(admin, "/readyz").await;
+        code == 200 && body.contains("serving last-known states")
+    })
+    .await;
+    // Several discovery lifetimes into the outage.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let (code, body) = http_get(admin, "/readyz").await;
+    assert_eq!(code, 200, "ready within --max-staleness: {body}");
+    let m = metrics(admin).await;
+    assert!(get(&m, "crd_broker_source_stale_seconds") >= 1.0, "{m:?}");
+    let watches: serde_json::Value =
+        serde_json::from_str(&http_get(admin, "/debug/watches").await.1).unwrap();
+    assert!(
+        watches["watches"][0]["staleSeconds"].as_u64().unwrap() >= 1,
+        "{watches}"
+    );
+
+    // A new subscriber to the held resource, spelled another way (so it is resolved through
+    // discovery), gets its state at once.
+    let started = Instant::now();
+    let mut again = subscribe(
+        &mut client,
+        &["ff.v1beta1.core.openfeature.dev/default/demo"],
+    )
+    .await;
+    assert!(is(&next(&mut again).await, Event::Snapshot, "v0"));
+    let at_once = started.elapsed();
+    assert!(at_once < Duration::from_secs(1), "{at_once:?}");
+    // One the broker does not hold waits, neither failing nor answered.
+    let mut waiting = subscribe(&mut client, &[&demo("other")]).await;
+    assert!(
+        tokio::time::timeout(Duration::from_secs(1), waiting.message())
+            .await
+            .is_err(),
+        "a resource the broker does not hold waits for the API server"
+    );
+
+    // Written while the broker could not see it; the server returns.
+    patch(&fake, "demo", "v1");
+    let back = Instant::now();
+    fake.start_listening().await.unwrap();
+    let updated = until(&mut held, |r| variant(r) == "v1").await;
+    let converged = back.elapsed();
+    assert_eq!(updated.event(), Event::Updated);
+    assert!(is(&next(&mut waiting).await, Event::Snapshot, "o0"));
+    until(&mut again, |r| variant(r) == "v1").await;
+    println!("converged {converged:?} after the API server returned");
+    assert!(converged < Duration::from_secs(5), "{converged:?}");
+    wait_for("ready and current again", async || {
+        let (code, body) = http_get(admin, "/readyz").await;
+        code == 200 && body == "ready\n"
+    })
+    .await;
+    assert_eq!(
+        get(&metrics(admin).await, "crd_broker_source_stale_seconds"),
+        0.0
+    );
+    assert!(fake.wait_for(WAIT, |f| f.open_watches() == 2).await);
+}
+
+#[tokio::test]
+async fn past_max_staleness_the_broker_is_not_ready_and_says_why() {
+    let fake = fake().await;
+    let broker = steady_broker(&fake, Duration::from_secs(1), Duration::from_secs(30)).await;
+    let admin = broker.admin_addr.unwrap();
+    wait_for("ready", async || http_get(admin, "/readyz").await.0 == 200).await;
+    fake.stop_listening();
+    wait_for("not ready past --max-staleness, naming it", async || {
+        let (code, body) = http_get(admin, "/readyz").await;
+        code == 503 && body.contains("longer than --max-staleness 1s")
+    })
+    .await;
+    fake.start_listening().await.unwrap();
+    wait_for("ready again", async || {
+        http_get(admin, "/readyz").await.0 == 200
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_broker_that_never_reached_the_api_server_is_not_ready() {
+    let fake = fake().await;
+    fake.stop_listening();
+    let broker = steady_broker(&fake, Duration::from_secs(300), Duration::from_secs(30)).await;
+    let admin = broker.admin_addr.unwrap();
+    wait_for("checked", async || {
+        let (code, body) = http_get(admin, "/readyz").await;
+        code == 503 && body.contains("does not answer")
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_quiet_resource_that_keeps_meeting_faults_is_watched_again_soon_after_they_stop() {
+    let h = start(Duration::from_secs(30)).await;
+    h.fake.apply(flag("quiet", "q0")).unwrap();
+    let mut client = h.client().await;
+    let mut s = subscribe(&mut client, &[&demo("quiet")]).await;
+    assert!(is(&next(&mut s).await, Event::Snapshot, "q0"));
+    // Eight seconds of faults: every watch ends in an ERROR, and re-watches fail now and then.
+    // With kube's default backoff (reset only by events) the waits would climb to 30 s.
+    for round in 0..16 {
+        h.fake.error_watches(500);
+        if round % 2 == 0 {
+            h.fake.fail_next(Matcher::verb("watch"), 2, 500, None);
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    // The faults stop (including injections not yet consumed).
+    h.fake.clear_faults();
+    let last = Instant::now();
+    patch(&h.fake, "quiet", "q1");
+    until(&mut s, |r| variant(r) == "q1").await;
+    let took = last.elapsed();
+    println!("the write after the faults arrived after {took:?}");
+    assert!(
+        took < crd_broker::source::retry::BACKOFF_MAX + Duration::from_secs(2),
+        "{took:?}"
+    );
+}
+
+#[tokio::test]
+async fn a_stream_of_several_resources_survives_one_failing_after_the_others_were_served() {
+    let h = start(Duration::from_secs(30)).await;
+    h.fake.apply(flag("demo", "on")).unwrap();
+    h.fake.deny(fake_apiserver::Deny {
+        verb: Some("list".into()),
+        name: Some("secret".into()),
+        ..Default::default()
+    });
+    let mut client = h.client().await;
+    // Held already: its state is sent before the other's watch has an answer.
+    let mut warm = subscribe(&mut client, &[&demo("demo")]).await;
+    next(&mut warm).await;
+    let mut s = subscribe(&mut client, &[&demo("demo"), &demo("secret")]).await;
+    let first = next(&mut s).await;
+    assert_eq!((first.index, first.event()), (0, Event::Snapshot));
+    let failed = next(&mut s).await;
+    assert_eq!(
+        (failed.index, failed.event()),
+        (1, Event::Failed),
+        "{failed:?}"
+    );
+    assert_eq!(failed.error_code, Code::PermissionDenied as i32);
+    assert!(
+        failed.error_message.contains("forbidden"),
+        "{}",
+        failed.error_message
+    );
+    assert!(failed.object.is_empty());
+    // The stream goes on for the other.
+    patch(&h.fake, "demo", "off");
+    let updated = next(&mut s).await;
+    assert_eq!((updated.index, updated.event()), (0, Event::Updated));
+    assert_eq!(variant(&updated), "off");
+}
