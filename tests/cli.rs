@@ -290,6 +290,16 @@ async fn access_settings_that_cannot_work_are_refused_at_start_with_the_reason()
             vec![],
             "`none` cannot be combined",
         ),
+        (
+            vec!["--namespace", "team-a"],
+            vec![],
+            "--namespace confines the Kubernetes source",
+        ),
+        (
+            vec![],
+            vec![("CRD_BROKER_NAMESPACE", "team-a,Team_B")],
+            "\"Team_B\" is not a namespace name",
+        ),
     ];
     for (args, env, want) in cases {
         let err = refused_at_start(&args, &env).await;

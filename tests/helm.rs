@@ -141,7 +141,7 @@ fn check_types(docs: &[Value]) {
     use k8s_openapi::api::core::v1::{ConfigMap, Service, ServiceAccount};
     use k8s_openapi::api::networking::v1::NetworkPolicy;
     use k8s_openapi::api::policy::v1::PodDisruptionBudget;
-    use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};
+    use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, Role, RoleBinding};
     for doc in docs {
         match doc["kind"].as_str().unwrap() {
             "Deployment" => round_trips::<Deployment>(doc),
@@ -149,6 +149,8 @@ fn check_types(docs: &[Value]) {
             "ServiceAccount" => round_trips::<ServiceAccount>(doc),
             "ClusterRole" => round_trips::<ClusterRole>(doc),
             "ClusterRoleBinding" => round_trips::<ClusterRoleBinding>(doc),
+            "Role" => round_trips::<Role>(doc),
+            "RoleBinding" => round_trips::<RoleBinding>(doc),
             "PodDisruptionBudget" => round_trips::<PodDisruptionBudget>(doc),
             "NetworkPolicy" => round_trips::<NetworkPolicy>(doc),
             "ConfigMap" => round_trips::<ConfigMap>(doc),
@@ -525,4 +527,45 @@ mod toml_value {
                 .collect(),
         }
     }
+}
+
+#[test]
+fn watch_namespaces_confine_the_broker_and_grant_by_a_role_in_each() {
+    let docs = render(json!({
+        "watchNamespaces": ["team-a", "team-b"],
+        "access": { "identity": "mesh" },
+    }))
+    .expect("renders");
+    check_types(&docs);
+    let serve = args_parse(&docs);
+    assert_eq!(serve.namespaces, ["team-a", "team-b"]);
+    // Nothing cluster-wide is needed: mesh identity asks the API server nothing.
+    assert!(kind(&docs, "ClusterRole").is_empty());
+    assert!(kind(&docs, "ClusterRoleBinding").is_empty());
+    let roles = kind(&docs, "Role");
+    let bindings = kind(&docs, "RoleBinding");
+    assert_eq!(roles.len(), 2);
+    assert_eq!(bindings.len(), 2);
+    for (role, ns) in roles.iter().zip(["team-a", "team-b"]) {
+        assert_eq!(role["metadata"]["namespace"], ns);
+        assert_eq!(
+            role["rules"][0],
+            json!({ "apiGroups": ["core.openfeature.dev"], "resources": ["featureflags"], "verbs": ["get", "list", "watch"] })
+        );
+    }
+    for binding in bindings {
+        assert_eq!(binding["subjects"][0]["namespace"], "openfeature");
+        assert_eq!(binding["roleRef"]["kind"], "Role");
+    }
+    // With peer-pod identity the pods right stays cluster-wide, and only it.
+    let docs = render(json!({ "watchNamespaces": ["team-a"] })).expect("renders");
+    let rules = &kind(&docs, "ClusterRole")[0]["rules"];
+    assert!(
+        rules
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|r| r["resources"] != json!(["featureflags"])),
+        "{rules}"
+    );
 }

@@ -222,3 +222,115 @@ async fn a_stream_of_several_resources_survives_one_failing_after_the_others_wer
     assert_eq!((updated.index, updated.event()), (0, Event::Updated));
     assert_eq!(variant(&updated), "off");
 }
+
+/// A confined broker on the fake, serving FeatureFlags, checked every 200 ms.
+async fn confined_broker(fake: &FakeApiServer, namespaces: &[&str]) -> Running<Kubernetes> {
+    let listeners = Listeners {
+        tcp: Some(TcpListener::bind("127.0.0.1:0").await.unwrap()),
+        admin: Some(TcpListener::bind("127.0.0.1:0").await.unwrap()),
+        ..Listeners::default()
+    };
+    let config = Config {
+        readiness_interval: Duration::from_millis(200),
+        ..Config::default()
+    };
+    let source = Kubernetes::new(
+        kube_client(fake),
+        vec!["featureflags.core.openfeature.dev".parse().unwrap()],
+    )
+    .confined_to(namespaces.iter().map(|n| n.to_string()).collect());
+    Running::start_with(listeners, source, config).expect("the broker starts")
+}
+
+async fn readyz_settles(admin: std::net::SocketAddr, code: u16, needle: &str) {
+    wait_for(&format!("readyz {code} {needle:?}"), async || {
+        let (c, body) = http_get(admin, "/readyz").await;
+        c == code && body.contains(needle)
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn confined_to_namespaces_a_role_there_suffices_even_one_naming_objects() {
+    use fake_apiserver::Grant;
+    let fake = fake().await;
+    for ns in ["team-a", "team-b"] {
+        fake.create_namespace(ns).unwrap();
+        fake.apply(flag_in(ns, "x", "on")).unwrap();
+        fake.apply(flag_in(ns, "y", "on")).unwrap();
+    }
+    let role = Grant::cluster(
+        &["get", "list", "watch"],
+        "core.openfeature.dev",
+        &["featureflags"],
+    )
+    .in_namespace("team-a");
+    fake.grant_only(vec![role.clone()]);
+
+    // Unconfined, the broker needs cluster-wide rights, and says it lacks them.
+    let everywhere = confined_broker(&fake, &[]).await;
+    readyz_settles(
+        everywhere.admin_addr.unwrap(),
+        503,
+        "may not list featureflags.core.openfeature.dev",
+    )
+    .await;
+
+    // Confined to team-a, the Role there is all it needs.
+    let broker = confined_broker(&fake, &["team-a"]).await;
+    let admin = broker.admin_addr.unwrap();
+    readyz_settles(admin, 200, "ready").await;
+    let mut client = connect(broker.addr).await;
+    let mut s = subscribe(&mut client, &[&ff("team-a", "x")]).await;
+    assert_eq!(next(&mut s).await.event(), Event::Snapshot);
+    // Another namespace is refused before any API call.
+    let path = "/apis/core.openfeature.dev/v1beta1/namespaces/team-b/featureflags";
+    let status = client
+        .subscribe(request(&[&ff("team-b", "x")]))
+        .await
+        .map(|_| ())
+        .unwrap_err();
+    assert_status(
+        &status,
+        Code::PermissionDenied,
+        "--namespace serves: team-a",
+    );
+    assert_eq!(fake.request_count("list", path), 0);
+
+    // A Role that names the objects (resourceNames) is enough for readiness, and for them.
+    fake.grant_only(vec![role.names(&["x"])]);
+    let named = confined_broker(&fake, &["team-a"]).await;
+    readyz_settles(named.admin_addr.unwrap(), 200, "ready").await;
+    let mut client = connect(named.addr).await;
+    let mut x = subscribe(&mut client, &[&ff("team-a", "x")]).await;
+    assert_eq!(next(&mut x).await.event(), Event::Snapshot);
+    let mut y = subscribe(&mut client, &[&ff("team-a", "y")]).await;
+    assert_eq!(ended(&mut y).await.code(), Code::PermissionDenied);
+
+    // No rights in a namespace it serves: not ready, naming the namespace.
+    let two = confined_broker(&fake, &["team-a", "team-b"]).await;
+    readyz_settles(
+        two.admin_addr.unwrap(),
+        503,
+        "may not list featureflags.core.openfeature.dev in namespace team-b",
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn confined_to_namespaces_cluster_scoped_kinds_are_not_served() {
+    let fake = fake().await;
+    let mut crd = secrets_crd();
+    crd["spec"]["scope"] = "Cluster".into();
+    fake.install_crd(crd).unwrap();
+    let listeners = Listeners::tcp(TcpListener::bind("127.0.0.1:0").await.unwrap());
+    let source = Kubernetes::new(kube_client(&fake), vec![]).confined_to(vec!["team-a".into()]);
+    let broker = Running::start_with(listeners, source, Config::default()).unwrap();
+    let mut client = connect(broker.addr).await;
+    let status = client
+        .subscribe(request(&["secrets.example.com/s"]))
+        .await
+        .map(|_| ())
+        .unwrap_err();
+    assert_status(&status, Code::PermissionDenied, "is cluster-scoped");
+}

@@ -341,12 +341,12 @@ impl Access {
         };
         use crate::source::kubernetes::may;
         if self.peer_pods.is_some() {
-            may(api, "list", "", "pods")
+            may(api, "list", "", "pods", None)
                 .await
                 .map_err(|e| format!("--identity peer-pod: {e}"))?;
         }
         if self.tokens.is_some() {
-            may(api, "create", "authentication.k8s.io", "tokenreviews")
+            may(api, "create", "authentication.k8s.io", "tokenreviews", None)
                 .await
                 .map_err(|e| format!("--identity token: {e}"))?;
         }

@@ -138,6 +138,16 @@ pub struct Serve {
         value_delimiter = ','
     )]
     pub resources: Vec<KindRef>,
+    /// Serve only objects in this namespace (repeatable), so a Role in each grants the broker
+    /// all it needs; cluster-scoped kinds are not served then. Default: every namespace.
+    #[arg(
+        long = "namespace",
+        env = "CRD_BROKER_NAMESPACE",
+        value_name = "NAMESPACE",
+        value_delimiter = ',',
+        value_parser = parse_namespace
+    )]
+    pub namespaces: Vec<String>,
     /// How long a watch stays open after its last subscriber leaves.
     #[arg(long, env = "CRD_BROKER_LINGER", default_value = "30s", value_parser = humantime::parse_duration)]
     pub linger: Duration,
@@ -294,6 +304,17 @@ impl Cli {
     }
 }
 
+fn parse_namespace(s: &str) -> Result<String, String> {
+    if crate::selector::is_dns_label(s) {
+        Ok(s.to_string())
+    } else {
+        Err(format!(
+            "{} is not a namespace name (lowercase letters, digits and '-', at most 63)",
+            crate::selector::quote(s)
+        ))
+    }
+}
+
 /// The kind flagd-proxy serves, and `start` by default.
 const FEATURE_FLAGS: &str = "featureflags.core.openfeature.dev";
 
@@ -412,6 +433,9 @@ impl Serve {
         let listeners = self.listeners().await?;
         let mut config = self.broker_config();
         match &self.manifests {
+            Some(_) if !self.namespaces.is_empty() => anyhow::bail!(
+                "--namespace confines the Kubernetes source; --manifests serves its whole directory"
+            ),
             Some(dir) => {
                 let source = Manifests::open(dir, self.manifests_poll, self.resources.clone())
                     .with_context(|| {
@@ -422,7 +446,8 @@ impl Serve {
             None => {
                 let source = Kubernetes::infer(self.resources.clone())
                     .await
-                    .context("configuring the Kubernetes client (KUBECONFIG, else in-cluster)")?;
+                    .context("configuring the Kubernetes client (KUBECONFIG, else in-cluster)")?
+                    .confined_to(self.namespaces.clone());
                 config.access.api = Some(source.client().clone());
                 run_until_signal(listeners, source, config).await
             }

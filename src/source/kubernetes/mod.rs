@@ -18,6 +18,7 @@ use crate::cache::FlightCache;
 use crate::selector::{KindRef, Selector};
 
 mod follow;
+mod rights;
 
 /// How long a discovery answer is trusted before it is asked again (the last one that worked is
 /// still used while asking fails).
@@ -59,6 +60,8 @@ type Discovered<T> = Result<Arc<T>, SourceError>;
 pub struct Kubernetes {
     client: kube::Client,
     allowed: Vec<KindRef>,
+    /// The namespaces served (`--namespace`); empty: all.
+    namespaces: Vec<String>,
     groups: FlightCache<(), Discovered<Groups>>,
     group_versions: FlightCache<String, Discovered<GroupVersion>>,
     resources: Mutex<HashMap<(String, String, String), ApiResource>>,
@@ -111,12 +114,34 @@ impl Kubernetes {
             recovery,
             client,
             allowed,
+            namespaces: Vec::new(),
             groups: FlightCache::new(1),
             group_versions: FlightCache::new(DISCOVERY_CAPACITY),
             resources: Mutex::new(HashMap::new()),
             last_groups: Mutex::new(None),
             last_group_versions: Mutex::new(HashMap::new()),
             discovery_ttl: DISCOVERY_TTL,
+        }
+    }
+
+    /// As it is, serving only objects in `namespaces` (all, if empty), so that a Role in each
+    /// grants the broker all it needs; cluster-scoped kinds are not served then.
+    pub fn confined_to(mut self, namespaces: Vec<String>) -> Self {
+        self.namespaces = namespaces;
+        self
+    }
+
+    /// Refuses, without asking the API server, a namespace `--namespace` does not name.
+    fn namespace_served(&self, namespace: Option<&str>) -> Result<(), SourceError> {
+        match namespace {
+            Some(ns) if !self.namespaces.is_empty() && !self.namespaces.iter().any(|n| n == ns) => {
+                Err(SourceError::NotAllowed(format!(
+                    "namespace {} is not served by this broker (--namespace serves: {})",
+                    crate::selector::quote(ns),
+                    self.namespaces.join(", ")
+                )))
+            }
+            _ => Ok(()),
         }
     }
 
@@ -385,13 +410,14 @@ impl Kubernetes {
     }
 }
 
-/// Whether the broker's own identity may `verb` `resource` in `group`, cluster-wide (a
-/// SelfSubjectAccessReview); `Err` says why not, for readiness.
+/// Whether the broker's own identity may `verb` `resource` in `group`, cluster-wide or in
+/// `namespace` (a SelfSubjectAccessReview); `Err` says why not, for readiness.
 pub async fn may(
     client: &kube::Client,
     verb: &str,
     group: &str,
     resource: &str,
+    namespace: Option<&str>,
 ) -> Result<(), String> {
     use k8s_openapi::api::authorization::v1::{
         ResourceAttributes, SelfSubjectAccessReview, SelfSubjectAccessReviewSpec,
@@ -402,15 +428,18 @@ pub async fn may(
                 group: Some(group.to_string()),
                 resource: Some(resource.to_string()),
                 verb: Some(verb.to_string()),
+                namespace: namespace.map(str::to_string),
                 ..ResourceAttributes::default()
             }),
             ..SelfSubjectAccessReviewSpec::default()
         },
         ..SelfSubjectAccessReview::default()
     };
-    let qualified = match group {
-        "" => resource.to_string(),
-        g => format!("{resource}.{g}"),
+    let qualified = match (group, namespace) {
+        ("", None) => resource.to_string(),
+        ("", Some(ns)) => format!("{resource} in namespace {ns}"),
+        (g, None) => format!("{resource}.{g}"),
+        (g, Some(ns)) => format!("{resource}.{g} in namespace {ns}"),
     };
     let reviews: Api<SelfSubjectAccessReview> = Api::all(client.clone());
     let answer = reviews
@@ -510,22 +539,61 @@ fn to_object(obj: &DynamicObject) -> Object {
 
 impl Source for Kubernetes {
     async fn resolve(&self, selector: &Selector) -> Result<Selector, SourceError> {
+        self.namespace_served(selector.namespace.as_deref())?;
         let (names, version) = self.discover(&selector.kind).await?;
+        if !names.namespaced && !self.namespaces.is_empty() {
+            return Err(SourceError::NotAllowed(format!(
+                "{}.{} is cluster-scoped, and this broker serves only namespaces (--namespace {})",
+                names.plural,
+                names.group,
+                self.namespaces.join(", ")
+            )));
+        }
         names.canonical(selector, &version, &self.allowed)
     }
 
+    /// The broker's rights, asked as it uses them: to list and watch each `--resource` kind
+    /// cluster-wide, or, with `--namespace`, in each namespace — where a grant of some names
+    /// only (a Role with `resourceNames`) counts, as per-object watches need no more.
     async fn check(&self) -> Result<(), String> {
         self.client
             .apiserver_version()
             .await
             .map_err(|e| format!("the API server does not answer: {e}"))?;
+        let mut kinds = Vec::with_capacity(self.allowed.len());
         for kind in &self.allowed {
             let (names, _) = self
                 .discover(kind)
                 .await
                 .map_err(|e| format!("--resource {kind}: {e}"))?;
-            for verb in ["list", "watch"] {
-                may(&self.client, verb, &names.group, &names.plural).await?;
+            kinds.push(names);
+        }
+        if kinds.is_empty() {
+            return Ok(());
+        }
+        if self.namespaces.is_empty() {
+            for names in &kinds {
+                for verb in ["list", "watch"] {
+                    may(&self.client, verb, &names.group, &names.plural, None).await?;
+                }
+            }
+            return Ok(());
+        }
+        for namespace in &self.namespaces {
+            let rules = rights::rules_in(&self.client, namespace).await?;
+            for names in &kinds {
+                for verb in ["list", "watch"] {
+                    if !rules.allow(verb, &names.group, &names.plural) {
+                        may(
+                            &self.client,
+                            verb,
+                            &names.group,
+                            &names.plural,
+                            Some(namespace),
+                        )
+                        .await?;
+                    }
+                }
             }
         }
         Ok(())

@@ -93,6 +93,77 @@ pub struct Deny {
     pub user: Option<String>,
 }
 
+/// An RBAC grant, as a Role or ClusterRole rule bound to a user. Once any grant is set
+/// ([`crate::FakeApiServer::grant_only`]), only what some grant allows is allowed (denials still
+/// apply), as on a cluster with RBAC; until then everything is.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Grant {
+    /// Verbs (`*`: all).
+    pub verbs: Vec<String>,
+    /// API groups (`*`: all; `""`: the core group).
+    pub groups: Vec<String>,
+    /// Resources (`*`: all).
+    pub resources: Vec<String>,
+    /// The namespace, as a RoleBinding grants; `None`: every namespace, as a
+    /// ClusterRoleBinding does.
+    #[serde(default)]
+    pub namespace: Option<String>,
+    /// Object names (`resourceNames`); empty: all.
+    #[serde(default)]
+    pub names: Vec<String>,
+    /// The user it is bound to; `None`: everyone.
+    #[serde(default)]
+    pub user: Option<String>,
+}
+
+impl Grant {
+    /// `verbs` on `resources` in `group`, in every namespace.
+    pub fn cluster(verbs: &[&str], group: &str, resources: &[&str]) -> Self {
+        let strings = |v: &[&str]| v.iter().map(|s| s.to_string()).collect();
+        Grant {
+            verbs: strings(verbs),
+            groups: vec![group.to_string()],
+            resources: strings(resources),
+            ..Grant::default()
+        }
+    }
+
+    /// The same, in `namespace` only.
+    pub fn in_namespace(mut self, namespace: &str) -> Self {
+        self.namespace = Some(namespace.to_string());
+        self
+    }
+
+    /// The same, for these object names only.
+    pub fn names(mut self, names: &[&str]) -> Self {
+        self.names = names.iter().map(|s| s.to_string()).collect();
+        self
+    }
+
+    /// Whether it allows the request.
+    pub fn allows(&self, a: &Attributes) -> bool {
+        let has = |list: &[String], v: &str| list.iter().any(|x| x == "*" || x == v);
+        has(&self.verbs, &a.verb)
+            && has(&self.groups, &a.group)
+            && has(&self.resources, &a.resource)
+            && self.user.as_deref().is_none_or(|u| u == a.user)
+            && self
+                .namespace
+                .as_deref()
+                .is_none_or(|ns| a.namespace.as_deref() == Some(ns))
+            && (self.names.is_empty()
+                || a.name
+                    .as_deref()
+                    .is_some_and(|n| self.names.iter().any(|x| x == n)))
+    }
+
+    /// Whether it applies in `namespace` for `user` (what a SelfSubjectRulesReview lists).
+    pub fn applies(&self, namespace: &str, user: &str) -> bool {
+        self.namespace.as_deref().is_none_or(|ns| ns == namespace)
+            && self.user.as_deref().is_none_or(|u| u == user)
+    }
+}
+
 /// The attributes an authorizer sees for one request.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Attributes {
@@ -223,6 +294,8 @@ impl RequestRecord {
 pub(crate) struct Faults {
     pub(crate) injections: Vec<Injection>,
     pub(crate) denials: Vec<Deny>,
+    /// `None`: everything is allowed that no denial covers.
+    pub(crate) grants: Option<Vec<Grant>>,
     pub(crate) tokens: HashMap<String, TokenUser>,
     pub(crate) watch_list_disabled: bool,
     pub(crate) log: Vec<RequestRecord>,
@@ -248,7 +321,16 @@ impl Faults {
 
     /// Whether a denial covers these attributes.
     pub(crate) fn denied(&self, attrs: &Attributes) -> bool {
+        // Everyone may ask what they may do, as `system:basic-user` lets them.
+        let self_review = attrs.verb == "create"
+            && attrs.group == "authorization.k8s.io"
+            && attrs.resource.starts_with("selfsubject");
         self.denials.iter().any(|d| d.covers(attrs))
+            || (!self_review
+                && self
+                    .grants
+                    .as_ref()
+                    .is_some_and(|g| !g.iter().any(|g| g.allows(attrs))))
     }
 
     pub(crate) fn record(&mut self, record: RequestRecord) {

@@ -41,7 +41,7 @@ pub mod store;
 mod watch_body;
 
 pub use error::ApiError;
-pub use faults::{Action, Attributes, Deny, Injection, Matcher, RequestRecord, TokenUser};
+pub use faults::{Action, Attributes, Deny, Grant, Injection, Matcher, RequestRecord, TokenUser};
 pub use store::WatchInfo;
 
 use crd::Kind;
@@ -510,11 +510,21 @@ impl FakeApiServer {
         self.shared.faults().injections.push(injection);
     }
 
-    /// Removes every injected fault and denial.
+    /// Removes every injected fault and denial (grants stay).
     pub fn clear_faults(&self) {
         let mut f = self.shared.faults();
         f.injections.clear();
         f.denials.clear();
+    }
+
+    /// Turns RBAC on: from now on only what `grants` allow is allowed (and denials still deny).
+    pub fn grant_only(&self, grants: Vec<Grant>) {
+        self.shared.faults().grants = Some(grants);
+    }
+
+    /// Turns RBAC off again: everything no denial covers is allowed.
+    pub fn allow_all(&self) {
+        self.shared.faults().grants = None;
     }
 
     /// Denies matching requests with 403 (and access reviews with `allowed: false`).

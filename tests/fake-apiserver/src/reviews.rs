@@ -1,6 +1,7 @@
 //! Access and token reviews: `SelfSubjectAccessReview` and `SubjectAccessReview` answered from
-//! the deny knob (everything else is allowed), and `TokenReview` answered from the tokens
-//! registered through the token knob (any other token is unauthenticated).
+//! the grants and the deny knob, `SelfSubjectRulesReview` listing the grants that apply in a
+//! namespace, and `TokenReview` answered from the tokens registered through the token knob (any
+//! other token is unauthenticated).
 
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
@@ -17,6 +18,12 @@ pub const KINDS: &[(&str, &str, &str, bool)] = &[
         "authorization.k8s.io",
         "selfsubjectaccessreviews",
         "SelfSubjectAccessReview",
+        false,
+    ),
+    (
+        "authorization.k8s.io",
+        "selfsubjectrulesreviews",
+        "SelfSubjectRulesReview",
         false,
     ),
     (
@@ -57,6 +64,10 @@ pub(crate) fn answer(
             let user = crate::http::user_of(shared, headers);
             access(shared, &review["spec"], user)?
         }
+        "SelfSubjectRulesReview" => {
+            let user = crate::http::user_of(shared, headers);
+            rules(shared, &review["spec"], &user)?
+        }
         "SubjectAccessReview" => {
             let user = review["spec"]["user"].as_str().unwrap_or("").to_string();
             access(shared, &review["spec"], user)?
@@ -73,6 +84,54 @@ pub(crate) fn answer(
         review.to_string(),
     )
         .into_response())
+}
+
+/// The rules that apply to `user` in `spec.namespace`: every grant bound there or cluster-wide
+/// (everything, when RBAC is off). Denials cannot be written as rules: while any is set, the
+/// answer lists nothing and says it is incomplete, as an authorizer that cannot enumerate does.
+fn rules(shared: &Shared, spec: &Value, user: &str) -> Result<Value> {
+    let Some(namespace) = spec["namespace"].as_str().filter(|n| !n.is_empty()) else {
+        return Err(ApiError::invalid(
+            "SelfSubjectRulesReview.authorization.k8s.io",
+            "",
+            &[(
+                "spec.namespace".into(),
+                "Required value: the namespace to review rules in".into(),
+            )],
+        ));
+    };
+    let faults = shared.faults();
+    if !faults.denials.is_empty() {
+        return Ok(json!({
+            "resourceRules": [],
+            "nonResourceRules": [],
+            "incomplete": true,
+            "evaluationError": "the fake-apiserver deny knob cannot be listed as rules",
+        }));
+    }
+    let rules: Vec<Value> = match &faults.grants {
+        None => vec![json!({ "verbs": ["*"], "apiGroups": ["*"], "resources": ["*"] })],
+        Some(grants) => grants
+            .iter()
+            .filter(|g| g.applies(namespace, user))
+            .map(|g| {
+                let mut rule = json!({
+                    "verbs": g.verbs,
+                    "apiGroups": g.groups,
+                    "resources": g.resources,
+                });
+                if !g.names.is_empty() {
+                    rule["resourceNames"] = json!(g.names);
+                }
+                rule
+            })
+            .collect(),
+    };
+    Ok(json!({
+        "resourceRules": rules,
+        "nonResourceRules": [{ "verbs": ["get"], "nonResourceURLs": ["*"] }],
+        "incomplete": false,
+    }))
 }
 
 fn access(shared: &Shared, spec: &Value, user: String) -> Result<Value> {
