@@ -5,14 +5,58 @@
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use rustls_pki_types::CertificateDer;
 use tokio_util::sync::CancellationToken;
 
-/// The drain token of the connection a request came on: cancelled when the connection reaches
-/// its maximum age or the broker shuts down. Streams end with UNAVAILABLE when it fires.
+/// The drain of the connection a request came on: its token is cancelled when the connection
+/// reaches its maximum age or the broker shuts down, and streams end with UNAVAILABLE saying
+/// which.
 #[derive(Debug, Clone)]
-pub struct ConnDrain(pub CancellationToken);
+pub struct ConnDrain {
+    token: CancellationToken,
+    aged: Arc<AtomicBool>,
+}
+
+/// Why a connection is drained.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DrainReason {
+    /// It reached `--max-connection-age`: the client reconnects, perhaps to another replica.
+    MaxAge,
+    /// The broker is shutting down.
+    Shutdown,
+}
+
+impl ConnDrain {
+    /// A drain by `token`.
+    pub fn new(token: CancellationToken) -> Self {
+        ConnDrain {
+            token,
+            aged: Arc::new(AtomicBool::new(false)),
+        }
+    }
+
+    /// The token.
+    pub fn token(&self) -> &CancellationToken {
+        &self.token
+    }
+
+    /// Drains the connection because it reached its maximum age.
+    pub fn age(&self) {
+        self.aged.store(true, Ordering::Release);
+        self.token.cancel();
+    }
+
+    /// Why it is drained (once it is).
+    pub fn reason(&self) -> DrainReason {
+        if self.aged.load(Ordering::Acquire) {
+            DrainReason::MaxAge
+        } else {
+            DrainReason::Shutdown
+        }
+    }
+}
 
 /// The other end of a connection, as the transport saw it when it accepted it.
 #[derive(Debug, Clone)]

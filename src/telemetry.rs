@@ -287,6 +287,9 @@ pub struct Metrics {
     pub policy_reloads: Family<ReloadLabels, Counter>,
     /// Seconds since the source last passed its check, while it fails; 0 while it passes.
     pub source_stale_seconds: Gauge<f64, AtomicU64>,
+    /// Tasks alive on the async runtime (set at each scrape): a number that grows without
+    /// bound is a leak.
+    pub runtime_tasks: Gauge,
 }
 
 fn latency_histogram() -> Histogram {
@@ -313,6 +316,7 @@ impl Default for Metrics {
             denials: Family::default(),
             policy_reloads: Family::default(),
             source_stale_seconds: Gauge::default(),
+            runtime_tasks: Gauge::default(),
             registry: Registry::default(),
         };
         registry.register(
@@ -376,6 +380,11 @@ impl Default for Metrics {
             "Seconds since the source (the API server) last answered its check, while it fails; 0 while it answers",
             m.source_stale_seconds.clone(),
         );
+        registry.register(
+            "runtime_tasks",
+            "Tasks alive on the async runtime",
+            m.runtime_tasks.clone(),
+        );
         let grpc = registry.sub_registry_with_prefix("grpc");
         grpc.register("started", "gRPC requests received", m.grpc_started.clone());
         grpc.register(
@@ -390,6 +399,10 @@ impl Default for Metrics {
 impl Metrics {
     /// The metrics in the OpenMetrics text format.
     pub fn encode(&self) -> String {
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            self.runtime_tasks
+                .set(runtime.metrics().num_alive_tasks() as i64);
+        }
         let mut out = String::new();
         if let Err(e) = prometheus_client::encoding::text::encode(&mut out, &self.registry) {
             tracing::error!(error = %e, "encoding metrics");

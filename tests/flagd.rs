@@ -268,29 +268,14 @@ async fn sync_streams_end_with_unavailable_never_ok() {
 
 #[tokio::test]
 async fn a_configuration_over_four_mebibytes_is_resource_exhausted_and_never_sent() {
-    // The API server takes no object that large (its request limit is 3 MiB); a manifests
-    // directory does.
-    let dir = tempfile::tempdir().unwrap();
-    std::fs::write(dir.path().join("crd.yaml"), CRD).unwrap();
+    // A real API server takes no object that large (its request limit is 3 MiB), and the
+    // manifests source reads no file over 4 MiB; the fake's own store does take it.
+    let h = start(Duration::ZERO).await;
     let mut big = flag("big", "on");
     big["spec"]["flagSpec"]["metadata"] = json!({ "padding": "x".repeat(4_300_000) });
-    std::fs::write(dir.path().join("big.json"), big.to_string()).unwrap();
-    std::fs::write(
-        dir.path().join("small.json"),
-        flag("small", "on").to_string(),
-    )
-    .unwrap();
-    let source = crd_broker::source::manifests::Manifests::open(
-        dir.path(),
-        Duration::from_millis(50),
-        vec![],
-    )
-    .unwrap();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let broker = crd_broker::broker::Running::start(listener, source, Duration::ZERO).unwrap();
-    let mut client = FlagSyncServiceClient::connect(format!("http://{}", broker.addr))
-        .await
-        .unwrap();
+    h.fake.apply(big).unwrap();
+    h.fake.apply(flag("small", "on")).unwrap();
+    let mut client = flagd_client(&h).await;
     let mut s = client
         .sync_flags(sync_request(Some("core.openfeature.dev/default/big"), ""))
         .await
@@ -310,7 +295,6 @@ async fn a_configuration_over_four_mebibytes_is_resource_exhausted_and_never_sen
         .unwrap()
         .into_inner();
     assert_eq!(config(&mut ok).await["flags"]["f"]["defaultVariant"], "on");
-    broker.stop().await.unwrap();
 }
 
 /// A plain HTTP/1.1 GET on loopback; the whole response as text.

@@ -101,3 +101,210 @@ async fn file_changes_reach_subscribers_as_create_update_and_delete() {
     assert_eq!(object(&widget)["size"], 3);
     broker.stop().await.unwrap();
 }
+
+/// A broker on `dir` polled every `poll`, checking readiness every 50 ms.
+async fn polled(dir: &Path, poll: Duration) -> Running<Manifests> {
+    let source = Manifests::open(dir, poll, vec![]).expect("the directory opens");
+    let listeners =
+        crd_broker::broker::Listeners::tcp(TcpListener::bind("127.0.0.1:0").await.unwrap());
+    let config = crd_broker::broker::Config {
+        readiness_interval: Duration::from_millis(50),
+        ..crd_broker::broker::Config::default()
+    };
+    Running::start_with(listeners, source, config).unwrap()
+}
+
+/// Nothing arrives on `s` for `long`.
+async fn quiet(s: &mut tonic::Streaming<crd_broker::pb::SubscribeResponse>, long: Duration) {
+    if let Ok(m) = tokio::time::timeout(long, s.message()).await {
+        panic!("nothing was to arrive, got {m:?}");
+    }
+}
+
+#[tokio::test]
+async fn an_editor_that_truncates_then_writes_is_one_update_of_the_same_object() {
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), "crd.yaml", CRD);
+    write(dir.path(), "demo.yaml", &flag_yaml("demo", "a"));
+    let broker = polled(dir.path(), Duration::from_millis(200)).await;
+    let mut client = connect(broker.addr).await;
+    let mut s = subscribe(&mut client, &[&demo("demo")]).await;
+    let first = next(&mut s).await;
+    // In place, as many editors save: truncate, then write.
+    let path = dir.path().join("demo.yaml");
+    std::fs::write(&path, "").unwrap();
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    std::fs::write(&path, flag_yaml("demo", "b")).unwrap();
+    let updated = next(&mut s).await;
+    assert!(is(&updated, Event::Updated, "b"), "{updated:?}");
+    assert_eq!(updated.uid, first.uid, "the same object");
+
+    // A half-written file that still parses (its flags null) is never served.
+    let text = flag_yaml("demo", "c");
+    let half = &text[..text.find("      f:").unwrap()];
+    std::fs::write(&path, half).unwrap();
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    std::fs::write(&path, &text).unwrap();
+    let whole = next(&mut s).await;
+    assert!(is(&whole, Event::Updated, "c"), "{whole:?}");
+    assert!(object(&whole)["spec"]["flagSpec"]["flags"].is_object());
+    assert_eq!(whole.uid, first.uid);
+}
+
+#[tokio::test]
+async fn a_directory_briefly_gone_keeps_its_state_and_is_an_outage_not_a_delete() {
+    let parent = tempfile::tempdir().unwrap();
+    let dir = parent.path().join("manifests");
+    std::fs::create_dir(&dir).unwrap();
+    write(&dir, "crd.yaml", CRD);
+    write(&dir, "demo.yaml", &flag_yaml("demo", "a"));
+    let broker = polled(&dir, Duration::from_millis(50)).await;
+    let mut client = connect(broker.addr).await;
+    let mut s = subscribe(&mut client, &[&demo("demo")]).await;
+    next(&mut s).await;
+    let ready = |b: &Running<Manifests>| b.readiness.current();
+    assert!(
+        tokio::time::timeout(WAIT, async {
+            while ready(&broker).source != Some(Ok(())) {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+        .await
+        .is_ok()
+    );
+
+    let away = parent.path().join("away");
+    std::fs::rename(&dir, &away).unwrap();
+    assert!(
+        tokio::time::timeout(WAIT, async {
+            while !matches!(&ready(&broker).source, Some(Err(e)) if e.contains("cannot read the manifests directory")) {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+        .await
+        .is_ok(),
+        "an outage of the source"
+    );
+    assert!(ready(&broker).ready(), "ready within --max-staleness");
+    quiet(&mut s, Duration::from_millis(400)).await;
+    let mut again = subscribe(&mut client, &[&demo("demo")]).await;
+    assert!(
+        is(&next(&mut again).await, Event::Snapshot, "a"),
+        "the last good state is served"
+    );
+
+    std::fs::rename(&away, &dir).unwrap();
+    assert!(
+        tokio::time::timeout(WAIT, async {
+            while ready(&broker).source != Some(Ok(())) {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+        .await
+        .is_ok()
+    );
+    quiet(&mut s, Duration::from_millis(300)).await;
+    write(&dir, "demo.yaml", &flag_yaml("demo", "b"));
+    assert!(is(&next(&mut s).await, Event::Updated, "b"));
+}
+
+#[tokio::test]
+async fn links_are_followed_inside_the_directory_once_and_never_out_of_it() {
+    let outside = tempfile::tempdir().unwrap();
+    write(outside.path(), "secret.yaml", &flag_yaml("secret", "a"));
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), "crd.yaml", CRD);
+    std::fs::create_dir(dir.path().join("team")).unwrap();
+    write(
+        &dir.path().join("team"),
+        "demo.yaml",
+        &flag_yaml("demo", "a"),
+    );
+    // Loops: each directory is read once.
+    std::os::unix::fs::symlink(".", dir.path().join("a")).unwrap();
+    std::os::unix::fs::symlink(".", dir.path().join("b")).unwrap();
+    std::os::unix::fs::symlink("..", dir.path().join("team/up")).unwrap();
+    // A link to a file inside is served once; one out of the directory is not followed.
+    std::os::unix::fs::symlink("team/demo.yaml", dir.path().join("again.yaml")).unwrap();
+    std::os::unix::fs::symlink(
+        outside.path().join("secret.yaml"),
+        dir.path().join("secret.yaml"),
+    )
+    .unwrap();
+    std::os::unix::fs::symlink(outside.path(), dir.path().join("out")).unwrap();
+    let opened = tokio::time::timeout(WAIT, polled(dir.path(), Duration::from_millis(50)))
+        .await
+        .expect("the first scan ends");
+    let mut client = connect(opened.addr).await;
+    let mut s = subscribe(&mut client, &[&demo("demo"), &demo("secret")]).await;
+    let mut firsts = [next(&mut s).await, next(&mut s).await];
+    firsts.sort_by_key(|r| r.index);
+    assert!(is(&firsts[0], Event::Snapshot, "a"));
+    assert_eq!(
+        firsts[1].event(),
+        Event::Absent,
+        "nothing from outside the directory"
+    );
+    let problems = opened.registry.source().problems();
+    let named = |name: &str| {
+        problems
+            .iter()
+            .find(|(p, _)| p.ends_with(name))
+            .map(|(_, why)| why.clone())
+            .unwrap_or_default()
+    };
+    assert!(
+        named("secret.yaml").contains("outside the directory"),
+        "{problems:?}"
+    );
+    assert!(
+        named("out").contains("outside the directory"),
+        "{problems:?}"
+    );
+}
+
+#[tokio::test]
+async fn files_over_the_size_or_nesting_limits_are_refused_with_the_reason() {
+    use crd_broker::source::manifests::{MAX_FILE_BYTES, MAX_NESTING};
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), "crd.yaml", CRD);
+    write(dir.path(), "demo.yaml", &flag_yaml("demo", "a"));
+    let padding = "x".repeat(MAX_FILE_BYTES as usize);
+    write(
+        dir.path(),
+        "huge.yaml",
+        &format!("{}  padding: {padding}\n", flag_yaml("huge", "a")),
+    );
+    // 200 KB of nesting: refused before the parser sees it.
+    let deep = format!("{}{}", "[".repeat(100_000), "]".repeat(100_000));
+    write(dir.path(), "deep.yaml", &format!("a: {deep}\n"));
+    let started = std::time::Instant::now();
+    let broker = polled(dir.path(), Duration::from_millis(50)).await;
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        started.elapsed()
+    );
+    let mut client = connect(broker.addr).await;
+    let mut s = subscribe(&mut client, &[&demo("demo"), &demo("huge")]).await;
+    let mut firsts = [next(&mut s).await, next(&mut s).await];
+    firsts.sort_by_key(|r| r.index);
+    assert_eq!(firsts[0].event(), Event::Snapshot);
+    assert_eq!(firsts[1].event(), Event::Absent);
+    let problems = broker.registry.source().problems();
+    let why = |name: &str| {
+        problems
+            .iter()
+            .find(|(p, _)| p.ends_with(name))
+            .map(|(_, w)| w.clone())
+            .unwrap_or_default()
+    };
+    assert!(
+        why("huge.yaml").contains(&format!("at most {MAX_FILE_BYTES} bytes")),
+        "{problems:?}"
+    );
+    assert!(
+        why("deep.yaml").contains(&format!("nested more than {MAX_NESTING} levels")),
+        "{problems:?}"
+    );
+}

@@ -487,6 +487,11 @@ async fn at_its_age_a_connection_gets_goaway_its_streams_end_unavailable_and_it_
     let at = opened.elapsed();
     assert_eq!(ended.code(), Code::Unavailable, "{}", ended.message());
     assert!(
+        ended.message().contains("maximum age") && !ended.message().contains("shutting down"),
+        "the reason is named: {}",
+        ended.message()
+    );
+    assert!(
         at >= Duration::from_millis(850) && at < Duration::from_millis(1800),
         "ended at {at:?}, age 1 s ± 10 %"
     );

@@ -334,3 +334,136 @@ async fn confined_to_namespaces_cluster_scoped_kinds_are_not_served() {
         .unwrap_err();
     assert_status(&status, Code::PermissionDenied, "is cluster-scoped");
 }
+
+#[tokio::test]
+async fn relists_are_quorum_reads_and_watches_resume_from_the_last_version() {
+    // A relist with resourceVersion=0 may be answered from a lagging cache with an older object;
+    // without one it is read from etcd and never goes back.
+    let h = start(Duration::from_secs(30)).await;
+    h.fake.apply(flag("demo", "v0")).unwrap();
+    let mut client = h.client().await;
+    let mut s = subscribe(&mut client, &[&demo("demo")]).await;
+    next(&mut s).await;
+    patch(&h.fake, "demo", "v1");
+    until(&mut s, |r| variant(r) == "v1").await;
+    // Expired history: the resume gets 410, and the broker relists.
+    h.fake.compact();
+    h.fake.error_watches(410);
+    patch(&h.fake, "demo", "v2");
+    until(&mut s, |r| variant(r) == "v2").await;
+    let requests = h.fake.requests();
+    let lists: Vec<_> = requests
+        .iter()
+        .filter(|r| r.verb == "list" && r.path == NS_PATH)
+        .collect();
+    assert!(lists.len() >= 2, "a list and a relist: {lists:?}");
+    for list in &lists {
+        assert!(
+            list.param("resourceVersion").is_none_or(str::is_empty),
+            "a quorum read: {list:?}"
+        );
+        assert_eq!(list.param("fieldSelector"), Some("metadata.name=demo"));
+    }
+    let watches: Vec<_> = requests
+        .iter()
+        .filter(|r| r.verb == "watch" && r.path == NS_PATH)
+        .collect();
+    assert!(
+        watches.iter().all(|w| w
+            .param("resourceVersion")
+            .is_some_and(|v| v != "0" && !v.is_empty())),
+        "watches resume from a version seen: {watches:?}"
+    );
+}
+
+/// A TCP proxy on 127.0.0.2 to `to` whose connections can be blackholed: both directions stop,
+/// no FIN or RST is sent, the sockets stay open — as when the peer's node vanishes.
+async fn blackholing_proxy(
+    to: std::net::SocketAddr,
+) -> (std::net::SocketAddr, tokio::sync::watch::Sender<bool>) {
+    use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+    type Half = (
+        Box<dyn AsyncRead + Unpin + Send>,
+        Box<dyn AsyncWrite + Unpin + Send>,
+    );
+    let listener = TcpListener::bind("127.0.0.2:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (hole, _) = tokio::sync::watch::channel(false);
+    let holes = hole.clone();
+    tokio::spawn(async move {
+        while let Ok((inbound, _)) = listener.accept().await {
+            let Ok(outbound) = tokio::net::TcpStream::connect(to).await else {
+                return;
+            };
+            let (ir, iw) = inbound.into_split();
+            let (or, ow) = outbound.into_split();
+            let halves: [Half; 2] = [(Box::new(ir), Box::new(ow)), (Box::new(or), Box::new(iw))];
+            for (mut from, mut into) in halves {
+                let mut holed = holes.subscribe();
+                tokio::spawn(async move {
+                    let mut buf = vec![0u8; 16 * 1024];
+                    loop {
+                        tokio::select! {
+                            _ = async { drop(holed.wait_for(|h| *h).await) } => {
+                                // Both sockets stay open and silent until the test ends.
+                                std::future::pending::<()>().await;
+                            }
+                            n = from.read(&mut buf) => match n {
+                                Ok(0) | Err(_) => return,
+                                Ok(n) => if into.write_all(&buf[..n]).await.is_err() { return },
+                            },
+                        }
+                    }
+                });
+            }
+        }
+    });
+    (addr, hole)
+}
+
+#[tokio::test]
+async fn keepalive_reaps_a_half_open_connection_within_interval_and_timeout() {
+    let fake = fake().await;
+    fake.apply(flag("demo", "on")).unwrap();
+    let (interval, timeout) = (Duration::from_millis(300), Duration::from_millis(300));
+    let mut config = Config {
+        linger: Duration::ZERO,
+        ..Config::default()
+    };
+    config.transport.keepalive_interval = Some(interval);
+    config.transport.keepalive_timeout = timeout;
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let broker = Running::start_with(
+        Listeners::tcp(listener),
+        Kubernetes::new(kube_client(&fake), vec![]),
+        config,
+    )
+    .unwrap();
+    let (proxy, hole) = blackholing_proxy(broker.addr).await;
+    let mut vanishing = connect(proxy).await;
+    let mut s = subscribe(&mut vanishing, &[&demo("demo")]).await;
+    next(&mut s).await;
+    let mut direct = connect(broker.addr).await;
+    let mut other = subscribe(&mut direct, &[&demo("other")]).await;
+    next(&mut other).await;
+    assert_eq!(broker.registry.len(), 2);
+
+    hole.send_replace(true);
+    let vanished = Instant::now();
+    wait_for(
+        "the half-open connection is closed and its watch with it",
+        async || broker.registry.len() == 1,
+    )
+    .await;
+    let reaped = vanished.elapsed();
+    println!(
+        "reaped {reaped:?} after the peer vanished (interval {interval:?} + timeout {timeout:?})"
+    );
+    assert!(
+        reaped <= interval * 2 + timeout + Duration::from_secs(1),
+        "{reaped:?}"
+    );
+    // Nobody else noticed.
+    fake.apply(flag("other", "off")).unwrap();
+    assert!(is(&next(&mut other).await, Event::Snapshot, "off"));
+}

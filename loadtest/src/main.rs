@@ -7,6 +7,7 @@ mod bare;
 mod clients;
 mod report;
 mod scenarios;
+mod soak;
 mod stats;
 mod target;
 
@@ -34,6 +35,10 @@ enum Command {
         #[arg(long)]
         addr: SocketAddr,
     },
+    /// A long random mix of API-server faults under many subscribers, then the promises
+    /// checked: every subscriber on its CR's final state within 5 s of the last write, one
+    /// watch per CR, none left, no leaked tasks, bounded memory, no readiness flaps.
+    Soak(soak::SoakArgs),
 }
 
 /// What to run.
@@ -117,6 +122,7 @@ fn main() -> anyhow::Result<()> {
         .build()?;
     match cli.command {
         Some(Command::Bare { addr }) => runtime.block_on(bare::run(addr)),
+        Some(Command::Soak(args)) => runtime.block_on(soak::soak(args)),
         None => {
             let run = if cli.run.smoke {
                 cli.run.smoke()

@@ -20,10 +20,10 @@ use crate::report;
 use crate::stats::{self, Histogram, Summary};
 use crate::target::{Kind, Target};
 
-const CRD: &str = include_str!("../../examples/manifests/featureflag-crd.yaml");
-const GV: &str = "core.openfeature.dev/v1beta1";
+pub(crate) const CRD: &str = include_str!("../../examples/manifests/featureflag-crd.yaml");
+pub(crate) const GV: &str = "core.openfeature.dev/v1beta1";
 
-fn name(k: usize) -> String {
+pub(crate) fn name(k: usize) -> String {
     format!("ff-{k}")
 }
 
@@ -39,7 +39,10 @@ fn bar(len: u64, message: &str) -> ProgressBar {
 }
 
 /// A fake API server holding `crs` FeatureFlags of about `payload` bytes, and a kubeconfig.
-async fn fake(crs: usize, payload: usize) -> anyhow::Result<(FakeApiServer, tempfile_like::Dir)> {
+pub(crate) async fn fake(
+    crs: usize,
+    payload: usize,
+) -> anyhow::Result<(FakeApiServer, tempfile_like::Dir)> {
     let options = Options {
         history_limit: 100_000,
         ..Options::default()
@@ -103,7 +106,7 @@ fn run_pod(fake: &FakeApiServer, name: &str, ip: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn flag(name: &str, payload: usize) -> Value {
+pub(crate) fn flag(name: &str, payload: usize) -> Value {
     let mut f = json!({
         "apiVersion": GV,
         "kind": "FeatureFlag",
@@ -119,7 +122,7 @@ fn flag(name: &str, payload: usize) -> Value {
 }
 
 /// Directories that clean up after themselves (no extra dependency).
-mod tempfile_like {
+pub(crate) mod tempfile_like {
     use std::path::{Path, PathBuf};
 
     pub struct Dir(PathBuf);

@@ -49,6 +49,17 @@ impl Target {
         linger: Duration,
         args: &[&str],
     ) -> anyhow::Result<Target> {
+        Self::broker_logging(bin, kubeconfig, linger, args, Stdio::inherit()).await
+    }
+
+    /// As [`Target::broker`], its log (warnings and errors) to `log`.
+    pub async fn broker_logging(
+        bin: &Path,
+        kubeconfig: &Path,
+        linger: Duration,
+        args: &[&str],
+        log: Stdio,
+    ) -> anyhow::Result<Target> {
         let grpc: SocketAddr = ([127, 0, 0, 1], free_port()?).into();
         let admin: SocketAddr = ([127, 0, 0, 1], free_port()?).into();
         let child = Command::new(bin)
@@ -76,7 +87,7 @@ impl Target {
             .env("RUST_LOG", "warn")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
+            .stderr(log)
             .kill_on_drop(true)
             .spawn()
             .with_context(|| format!("starting {}", bin.display()))?;

@@ -123,3 +123,32 @@ fn the_smoke_configuration_runs_every_scenario_and_loses_nothing() {
     );
     std::fs::remove_dir_all(&out).ok();
 }
+
+#[test]
+fn a_short_seeded_soak_meets_every_kind_of_fault_and_loses_nothing() {
+    let out = std::env::temp_dir().join(format!("crd-broker-soak-smoke-{}", std::process::id()));
+    let status = Command::new(env!("CARGO_BIN_EXE_crd-broker-loadtest"))
+        .args(["soak", "--smoke", "--seed", "11"])
+        .arg("--broker-bin")
+        .arg(broker_bin())
+        .arg("--out")
+        .arg(&out)
+        .env("RUST_BACKTRACE", "0")
+        .status()
+        .expect("the soak runs");
+    let report: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("soak.json")).unwrap()).unwrap();
+    assert!(status.success(), "{report:#}");
+    assert_eq!(report["seed"], 11);
+    assert_eq!(report["lost"], 0, "{report:#}");
+    assert_eq!(report["watches_not_one"], 0, "{report:#}");
+    assert_eq!(report["watches_after_leaving"], 0, "{report:#}");
+    assert!(report["final_converge_ms"].as_f64().unwrap() < 5_000.0);
+    let kinds = report["by_fault"].as_object().unwrap();
+    assert_eq!(kinds.len(), 13, "every kind of fault: {kinds:?}");
+    for (kind, r) in kinds {
+        assert_eq!(r["count"], 2, "{kind}: {r}");
+        assert_eq!(r["slow"], 0, "{kind}: {r}");
+    }
+    std::fs::remove_dir_all(&out).ok();
+}

@@ -233,6 +233,12 @@ impl<S: Source> FlagdCore<S> {
                             return Err(shutting_down());
                         }
                     }
+                    // An outage is waited out, within the client's deadline.
+                    State::Failed(e) if e.is_outage() => {
+                        if !subscription.changed().await {
+                            return Err(shutting_down());
+                        }
+                    }
                     State::Failed(e) => return Err(source_status(0, &e)),
                     State::Present(u) => return Ok(flag_configuration(&u.object.json)),
                     State::Absent { .. } => return Ok(NO_FLAGS.to_string()),

@@ -13,11 +13,12 @@ use std::task::{Context, Poll, ready};
 
 use futures::future::BoxFuture;
 use futures::{FutureExt, Stream};
-use tokio_util::sync::{CancellationToken, ReusableBoxFuture};
+use tokio_util::sync::ReusableBoxFuture;
 use tonic::Status;
 
-use super::shutting_down;
+use super::{drained, shutting_down};
 use crate::access::Ticket;
+use crate::conn::ConnDrain;
 use crate::registry::{State, Subscription};
 use crate::transport::on_wake::OnWake;
 
@@ -31,17 +32,18 @@ pub(crate) struct End {
 
 impl End {
     /// Ended by `drain`, or by `ticket`'s revocation.
-    pub(crate) fn new(drain: CancellationToken, ticket: Option<Arc<Ticket>>) -> End {
+    pub(crate) fn new(drain: ConnDrain, ticket: Option<Arc<Ticket>>) -> End {
         let revoked = ticket.as_ref().map(|t| t.revoked());
+        let token = drain.token().clone();
         let future = async move {
             match revoked {
                 Some(revoked) => tokio::select! {
-                    _ = drain.cancelled_owned() => shutting_down(),
+                    _ = token.cancelled_owned() => drained(drain.reason()),
                     status = revoked => status,
                 },
                 None => {
-                    drain.cancelled_owned().await;
-                    shutting_down()
+                    token.cancelled_owned().await;
+                    drained(drain.reason())
                 }
             }
         }
@@ -143,6 +145,8 @@ mod tests {
     use futures::StreamExt;
     use futures::stream::BoxStream;
 
+    use tokio_util::sync::CancellationToken;
+
     use super::*;
     use crate::registry::Registry;
     use crate::selector::Selector;
@@ -173,7 +177,7 @@ mod tests {
     async fn a_cancelled_drain_ends_a_waiting_stream_with_unavailable() {
         let registry = registry();
         let selector = "widgets.example.com/default/a".parse().unwrap();
-        let drain = CancellationToken::new();
+        let drain = ConnDrain::new(CancellationToken::new());
         let mut stream = Messages::new(
             registry.subscribe(&selector),
             End::new(drain.clone(), None),
@@ -182,21 +186,40 @@ mod tests {
         );
         let waiting = tokio::time::timeout(Duration::from_millis(50), stream.next()).await;
         assert!(waiting.is_err(), "nothing to send yet");
-        drain.cancel();
+        drain.token().cancel();
         let ended = tokio::time::timeout(Duration::from_secs(5), stream.next())
             .await
             .expect("the drain wakes the stream");
         let status = ended.expect("an item").expect_err("an error");
         assert_eq!(status.code(), tonic::Code::Unavailable);
+        assert!(status.message().contains("shutting down"), "{status:?}");
         assert!(stream.next().await.is_none(), "nothing after the error");
+    }
+
+    #[tokio::test]
+    async fn a_stream_drained_at_the_maximum_age_says_so() {
+        let registry = registry();
+        let selector = "widgets.example.com/default/a".parse().unwrap();
+        let drain = ConnDrain::new(CancellationToken::new());
+        let mut stream = Messages::new(
+            registry.subscribe(&selector),
+            End::new(drain.clone(), None),
+            tracing::Span::none(),
+            |_: &State| Next::<()>::Wait,
+        );
+        drain.age();
+        let status = stream.next().await.unwrap().expect_err("an error");
+        assert_eq!(status.code(), tonic::Code::Unavailable);
+        assert!(status.message().contains("maximum age"), "{status:?}");
+        assert!(!status.message().contains("shutting down"), "{status:?}");
     }
 
     #[tokio::test]
     async fn a_drain_cancelled_before_the_first_poll_ends_the_stream_at_once() {
         let registry = registry();
         let selector = "widgets.example.com/default/a".parse().unwrap();
-        let drain = CancellationToken::new();
-        drain.cancel();
+        let drain = ConnDrain::new(CancellationToken::new());
+        drain.token().cancel();
         let mut stream = Messages::new(
             registry.subscribe(&selector),
             End::new(drain, None),
@@ -213,7 +236,7 @@ mod tests {
         let selector = "widgets.example.com/default/a".parse().unwrap();
         let mut stream = Messages::new(
             registry.subscribe(&selector),
-            End::new(CancellationToken::new(), None),
+            End::new(ConnDrain::new(CancellationToken::new()), None),
             tracing::Span::none(),
             |_: &State| Next::<()>::Fail(Status::resource_exhausted("too big")),
         );

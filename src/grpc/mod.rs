@@ -11,7 +11,7 @@ use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 
 use crate::access::{Access, Caller, Ticket};
-use crate::conn::ConnDrain;
+use crate::conn::{ConnDrain, DrainReason};
 use crate::pb;
 use crate::pb::broker_server::{Broker, BrokerServer};
 use crate::pb::subscribe_response::Event;
@@ -126,6 +126,16 @@ pub(crate) async fn admit<S: Source>(
 /// The status a stream ends with when the broker drops it: clients reconnect on UNAVAILABLE.
 pub fn shutting_down() -> Status {
     Status::unavailable("the broker is shutting down; reconnect")
+}
+
+/// The status a stream ends with when its connection is drained, naming why.
+pub fn drained(reason: DrainReason) -> Status {
+    match reason {
+        DrainReason::MaxAge => Status::unavailable(
+            "the connection reached its maximum age (--max-connection-age), so that clients spread over replicas; reconnect",
+        ),
+        DrainReason::Shutdown => shutting_down(),
+    }
 }
 
 /// Reads a request's resource reference into a selector, validating every field.
@@ -245,14 +255,14 @@ impl<S: Source> Broker for BrokerService<S> {
     }
 }
 
-/// The token that ends a request's streams: its connection's drain (max age or shutdown), or
-/// the broker's shutdown when served without one.
-pub(crate) fn drain_of<T>(request: &Request<T>, shutdown: &CancellationToken) -> CancellationToken {
+/// What ends a request's streams: its connection's drain (max age or shutdown), or the
+/// broker's shutdown when served without one.
+pub(crate) fn drain_of<T>(request: &Request<T>, shutdown: &CancellationToken) -> ConnDrain {
     request
         .extensions()
         .get::<ConnDrain>()
-        .map(|d| d.0.clone())
-        .unwrap_or_else(|| shutdown.clone())
+        .cloned()
+        .unwrap_or_else(|| ConnDrain::new(shutdown.clone()))
 }
 
 /// One subscriber's view of one resource, for the metrics: counted in the subscriber gauge

@@ -2,15 +2,21 @@
 //! served as if it were an API server. Adding, editing or removing a file behaves like a create,
 //! update or delete. It is the embedded default for running without a cluster.
 //!
-//! The directory is polled (see ADR 0006): each poll re-reads only files whose size or mtime
-//! changed. A file that fails to parse keeps its last good contents and is reported once per
-//! change, so a half-saved edit loses nothing. Objects get what an API server would give them:
-//! a `uid` that lasts while the object exists, a `resourceVersion` that moves on every change,
+//! The directory is polled on a thread of its own (see ADR 0006): each poll lists the files and
+//! re-reads only those whose stamp (size, times, inode) changed, and takes a change only once two
+//! polls in a row see the file the same, so an editor that truncates before it writes, or a
+//! half-written file, is never served. A file that fails to parse, or is over the size or
+//! nesting limits, keeps its last good contents and is reported once per change. A directory that
+//! cannot be read keeps the last good state and counts as an outage of the source. Links are
+//! followed only inside the directory, each directory once, [`MAX_DIR_DEPTH`] levels at most.
+//! Objects get what an API server would give them: a `uid` that lasts while the object exists
+//! (across edits, and moves between files), a `resourceVersion` that moves on every change,
 //! `creationTimestamp`, `generation`, and the namespace `default` when none is written.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, SystemTime};
 
 use futures::StreamExt;
@@ -35,7 +41,7 @@ type Key = (String, String, String, String);
 /// One object as loaded: what the file says, and the object as served.
 #[derive(Debug, Clone)]
 struct Stored {
-    written: Value,
+    written: Arc<Value>,
     served: Value,
     object: Object,
 }
@@ -44,7 +50,7 @@ struct Stored {
 #[derive(Debug, Default)]
 struct Catalog {
     kinds: Vec<ManifestKind>,
-    objects: HashMap<Key, Stored>,
+    objects: HashMap<Key, Arc<Stored>>,
 }
 
 impl Catalog {
@@ -76,26 +82,48 @@ impl Catalog {
     }
 }
 
+/// The largest manifest file read: as large as the largest message flagd clients take (no
+/// Kubernetes object is over 1.5 MiB). Parsing YAML costs up to about a hundred times a
+/// document's size in memory while it runs; JSON, a few times.
+pub const MAX_FILE_BYTES: u64 = 4 * 1024 * 1024;
+
+/// The deepest nesting (mappings, sequences and flow collections) read in a manifest.
+pub const MAX_NESTING: usize = 64;
+
+/// The deepest directory level below the root that is read.
+pub const MAX_DIR_DEPTH: usize = 16;
+
 /// Custom resources from a directory of manifests.
 pub struct Manifests {
     dir: PathBuf,
     catalog: watch::Receiver<Arc<Catalog>>,
     allowed: Vec<KindRef>,
-    poller: tokio::task::JoinHandle<()>,
+    shared: Arc<LoaderShared>,
+}
+
+/// What the polling thread tells the source.
+#[derive(Default)]
+struct LoaderShared {
+    /// Why the directory cannot be read now, if it cannot.
+    outage: Mutex<Option<String>>,
+    /// Files that are not served, and why.
+    problems: Mutex<BTreeMap<PathBuf, String>>,
+    stop: AtomicBool,
 }
 
 impl Drop for Manifests {
     fn drop(&mut self) {
-        self.poller.abort();
+        self.shared.stop.store(true, Ordering::Relaxed);
     }
 }
 
 impl Manifests {
-    /// Loads `dir` and keeps polling it every `poll`. Fails if the directory cannot be read.
+    /// Loads `dir` and keeps polling it every `poll`, on a thread of its own (reading and
+    /// parsing files blocks). Fails if the directory cannot be read.
     pub fn open(dir: &Path, poll: Duration, allowed: Vec<KindRef>) -> std::io::Result<Self> {
-        std::fs::read_dir(dir)?;
-        let mut loader = Loader::new(dir.to_path_buf());
-        let first = loader.scan().unwrap_or_default();
+        let shared = Arc::new(LoaderShared::default());
+        let mut loader = Loader::new(dir, shared.clone())?;
+        let first = loader.scan(true).unwrap_or_default();
         tracing::info!(
             dir = %dir.display(),
             kinds = first.kinds.len(),
@@ -103,23 +131,34 @@ impl Manifests {
             "manifests loaded"
         );
         let (tx, catalog) = watch::channel(first);
-        let poller = tokio::spawn(async move {
-            let mut tick = tokio::time::interval(poll);
-            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
-                tick.tick().await;
-                if let Some(next) = loader.scan() {
-                    tx.send_replace(next);
+        let polling = shared.clone();
+        std::thread::Builder::new()
+            .name("manifests".into())
+            .spawn(move || {
+                while !polling.stop.load(Ordering::Relaxed) && !tx.is_closed() {
+                    std::thread::sleep(poll);
+                    if let Some(next) = loader.scan(false) {
+                        tx.send_replace(next);
+                    }
                 }
-            }
-        });
+            })?;
         Ok(Manifests {
             dir: dir.to_path_buf(),
             catalog,
             allowed,
-            poller,
+            shared,
         })
     }
+
+    /// Files in the directory that are not served, and why (too large, too deep, unparsable,
+    /// a link out of the directory, …).
+    pub fn problems(&self) -> BTreeMap<PathBuf, String> {
+        lock(&self.shared.problems).clone()
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 impl Source for Manifests {
@@ -150,10 +189,13 @@ impl Source for Manifests {
         kind.names.canonical(selector, &version, &self.allowed)
     }
 
+    /// Fails while the directory cannot be read: the last good state is served meanwhile, and
+    /// readiness treats it as an outage of the source (`--max-staleness`).
     async fn check(&self) -> Result<(), String> {
-        std::fs::read_dir(&self.dir)
-            .map(|_| ())
-            .map_err(|e| format!("cannot read {}: {e}", self.dir.display()))
+        match lock(&self.shared.outage).clone() {
+            Some(why) => Err(why),
+            None => Ok(()),
+        }
     }
 
     fn watch(&self, selector: &Selector) -> BoxStream<'static, Result<Observed, SourceError>> {
@@ -173,68 +215,256 @@ impl Source for Manifests {
     }
 }
 
-/// A file's parsed documents and what they were read from.
-struct FileState {
-    stamp: (SystemTime, u64),
-    docs: Vec<Value>,
+/// What tells a file's contents apart between polls.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Stamp {
+    modified: SystemTime,
+    changed: (i64, i64),
+    len: u64,
+    inode: u64,
+}
+
+impl Stamp {
+    fn of(meta: &std::fs::Metadata) -> Stamp {
+        use std::os::unix::fs::MetadataExt;
+        Stamp {
+            modified: meta.modified().unwrap_or(SystemTime::UNIX_EPOCH),
+            changed: (meta.ctime(), meta.ctime_nsec()),
+            len: meta.len(),
+            inode: meta.ino(),
+        }
+    }
+}
+
+/// A file's documents as last taken.
+struct Taken {
+    stamp: Stamp,
+    docs: Vec<Arc<Value>>,
+}
+
+/// The manifest files one poll found.
+#[derive(Default)]
+struct Listing {
+    files: HashMap<PathBuf, Stamp>,
+    /// Directories below the root that could not be read: their files are not taken as gone.
+    unreadable: Vec<PathBuf>,
+    /// Entries left out, and why.
+    skipped: BTreeMap<PathBuf, String>,
+}
+
+/// Lists the manifest files under `root` (canonical): hidden entries left out; links followed
+/// only to places inside `root`, each directory once; at most [`MAX_DIR_DEPTH`] levels.
+fn list(root: &Path) -> std::io::Result<Listing> {
+    let mut listing = Listing::default();
+    let mut visited: HashSet<PathBuf> = HashSet::from([root.to_path_buf()]);
+    let mut targets: HashSet<PathBuf> = HashSet::new();
+    let mut pending = vec![(root.to_path_buf(), 0usize)];
+    while let Some((dir, depth)) = pending.pop() {
+        let entries = match std::fs::read_dir(&dir) {
+            Ok(entries) => entries,
+            Err(e) if depth == 0 => return Err(e),
+            Err(_) => {
+                listing.unreadable.push(dir);
+                continue;
+            }
+        };
+        for entry in entries.flatten() {
+            let path = entry.path();
+            if entry
+                .file_name()
+                .to_str()
+                .is_none_or(|n| n.starts_with('.'))
+            {
+                continue;
+            }
+            let Ok(kind) = entry.file_type() else {
+                continue;
+            };
+            let (real, meta) = if kind.is_symlink() {
+                let Ok(target) = std::fs::canonicalize(&path) else {
+                    continue; // dangling
+                };
+                if !target.starts_with(root) {
+                    listing.skipped.insert(
+                        path,
+                        "a link to outside the directory: not followed".to_string(),
+                    );
+                    continue;
+                }
+                let Ok(meta) = std::fs::metadata(&target) else {
+                    continue;
+                };
+                (target, meta)
+            } else {
+                let Ok(meta) = entry.metadata() else { continue };
+                (path.clone(), meta)
+            };
+            if meta.is_dir() {
+                let real = if kind.is_symlink() {
+                    real
+                } else {
+                    std::fs::canonicalize(&path).unwrap_or(real)
+                };
+                if depth + 1 > MAX_DIR_DEPTH {
+                    listing.skipped.insert(
+                        path,
+                        format!("more than {MAX_DIR_DEPTH} directory levels deep: not read"),
+                    );
+                } else if visited.insert(real) {
+                    pending.push((path, depth + 1));
+                }
+            } else if meta.is_file()
+                && matches!(
+                    path.extension().and_then(|e| e.to_str()),
+                    Some("yaml" | "yml" | "json")
+                )
+                && (!kind.is_symlink() || targets.insert(real))
+            {
+                listing.files.insert(path, Stamp::of(&meta));
+            }
+        }
+    }
+    Ok(listing)
+}
+
+/// The directory reader the source polls with, for benchmarks and tools: [`DirectoryScan::open`]
+/// reads a directory as the source's first scan does, [`DirectoryScan::poll`] is one poll.
+pub struct DirectoryScan(Loader);
+
+impl DirectoryScan {
+    /// Reads `dir`.
+    pub fn open(dir: &Path) -> std::io::Result<Self> {
+        let mut loader = Loader::new(dir, Arc::default())?;
+        loader.scan(true);
+        Ok(DirectoryScan(loader))
+    }
+
+    /// Polls once: whether what is served changed.
+    pub fn poll(&mut self) -> bool {
+        self.0.scan(false).is_some()
+    }
+
+    /// Objects served.
+    pub fn objects(&self) -> usize {
+        self.0.objects.len()
+    }
 }
 
 /// Reads the directory into catalogs.
 struct Loader {
-    dir: PathBuf,
-    files: BTreeMap<PathBuf, FileState>,
+    root: PathBuf,
+    shared: Arc<LoaderShared>,
+    taken: HashMap<PathBuf, Taken>,
+    /// Files seen changed (or, `None`, missing) once: taken at the next poll that sees them so
+    /// again, so a half-written or briefly truncated file is never served.
+    pending: HashMap<PathBuf, Option<Stamp>>,
     /// The stamp of each file's last failed read, so a broken file is reported once.
-    failed: HashMap<PathBuf, (SystemTime, u64)>,
-    objects: HashMap<Key, Stored>,
+    failed: HashMap<PathBuf, Stamp>,
+    objects: HashMap<Key, Arc<Stored>>,
     next_rv: u64,
     kinds: Vec<ManifestKind>,
 }
 
 impl Loader {
-    fn new(dir: PathBuf) -> Self {
-        Loader {
-            dir,
-            files: BTreeMap::new(),
+    fn new(dir: &Path, shared: Arc<LoaderShared>) -> std::io::Result<Self> {
+        let root = std::fs::canonicalize(dir)?;
+        std::fs::read_dir(&root)?;
+        Ok(Loader {
+            root,
+            shared,
+            taken: HashMap::new(),
+            pending: HashMap::new(),
             failed: HashMap::new(),
             objects: HashMap::new(),
             next_rv: 1,
             kinds: Vec::new(),
-        }
+        })
     }
 
-    /// Re-reads changed files; a new catalog if anything that is served changed.
-    fn scan(&mut self) -> Option<Arc<Catalog>> {
-        let mut seen = Vec::new();
+    /// Polls the directory; a new catalog if anything that is served changed. A change to a
+    /// file is taken once two polls in a row see it the same (at once on the `first` scan). A
+    /// directory that cannot be read changes nothing, and is reported as an outage.
+    fn scan(&mut self, first: bool) -> Option<Arc<Catalog>> {
+        let listing = match list(&self.root) {
+            Ok(listing) => {
+                if lock(&self.shared.outage).take().is_some() {
+                    tracing::info!(dir = %self.root.display(), "the manifests directory can be read again");
+                }
+                listing
+            }
+            Err(e) => {
+                let why = format!(
+                    "cannot read the manifests directory {}: {e}; serving its last good state",
+                    self.root.display()
+                );
+                let mut outage = lock(&self.shared.outage);
+                if outage.is_none() {
+                    tracing::warn!("{why}");
+                }
+                *outage = Some(why);
+                return None;
+            }
+        };
+        let mut problems = listing.skipped.clone();
         let mut changed = false;
-        for path in manifest_files(&self.dir) {
-            let Ok(meta) = std::fs::metadata(&path) else {
-                continue;
-            };
-            let stamp = (
-                meta.modified().unwrap_or(SystemTime::UNIX_EPOCH),
-                meta.len(),
-            );
-            seen.push(path.clone());
-            if self.files.get(&path).is_some_and(|f| f.stamp == stamp)
-                || self.failed.get(&path) == Some(&stamp)
-            {
+        for (path, stamp) in &listing.files {
+            if self.taken.get(path).is_some_and(|t| t.stamp == *stamp) {
+                self.pending.remove(path);
                 continue;
             }
-            match read_docs(&path) {
+            if self.failed.get(path) == Some(stamp) {
+                if let Some(why) = lock(&self.shared.problems).get(path) {
+                    problems.insert(path.clone(), why.clone());
+                }
+                continue;
+            }
+            if !first && self.pending.get(path) != Some(&Some(*stamp)) {
+                self.pending.insert(path.clone(), Some(*stamp));
+                continue;
+            }
+            self.pending.remove(path);
+            match read_docs(path, stamp.len) {
                 Ok(docs) => {
-                    self.failed.remove(&path);
-                    self.files.insert(path, FileState { stamp, docs });
+                    self.failed.remove(path);
+                    self.taken.insert(
+                        path.clone(),
+                        Taken {
+                            stamp: *stamp,
+                            docs,
+                        },
+                    );
                     changed = true;
                 }
                 Err(error) => {
-                    tracing::warn!(file = %path.display(), %error, "cannot parse manifest; keeping its last good contents");
-                    self.failed.insert(path, stamp);
+                    tracing::warn!(file = %path.display(), %error, "cannot read manifest; keeping its last good contents");
+                    self.failed.insert(path.clone(), *stamp);
+                    problems.insert(path.clone(), error);
                 }
             }
         }
-        let before = self.files.len();
-        self.files.retain(|path, _| seen.contains(path));
-        changed |= self.files.len() != before;
+        let gone: Vec<PathBuf> = self
+            .taken
+            .keys()
+            .filter(|p| {
+                !listing.files.contains_key(*p)
+                    && !listing.unreadable.iter().any(|d| p.starts_with(d))
+            })
+            .cloned()
+            .collect();
+        for path in gone {
+            if first || self.pending.get(&path) == Some(&None) {
+                self.taken.remove(&path);
+                self.pending.remove(&path);
+                changed = true;
+            } else {
+                self.pending.insert(path, None);
+            }
+        }
+        let taken = &self.taken;
+        self.pending
+            .retain(|p, s| listing.files.contains_key(p) || (s.is_none() && taken.contains_key(p)));
+        self.failed.retain(|p, _| listing.files.contains_key(p));
+        *lock(&self.shared.problems) = problems;
         if !changed {
             return None;
         }
@@ -242,11 +472,14 @@ impl Loader {
     }
 
     /// Builds the catalog from every file's documents; `None` if it serves the same as before.
+    /// Files not re-read keep their parsed documents, and objects whose document did not change
+    /// keep their served form: a change costs the pointers of the rest, not their parsing.
     fn rebuild(&mut self) -> Option<Arc<Catalog>> {
-        let docs: Vec<(&Path, &Value)> = self
-            .files
+        let mut paths: Vec<&PathBuf> = self.taken.keys().collect();
+        paths.sort();
+        let docs: Vec<(&Path, &Arc<Value>)> = paths
             .iter()
-            .flat_map(|(path, f)| f.docs.iter().map(move |d| (path.as_path(), d)))
+            .flat_map(|p| self.taken[*p].docs.iter().map(move |d| (p.as_path(), d)))
             .collect();
         let kinds: Vec<ManifestKind> = docs
             .iter()
@@ -259,42 +492,42 @@ impl Loader {
                 kind
             })
             .collect();
-        // Sorted, so resourceVersions are handed out in a stable order.
-        let mut written: BTreeMap<Key, Value> = BTreeMap::new();
+        let mut written: BTreeMap<Key, &Arc<Value>> = BTreeMap::new();
         for (path, doc) in docs.iter().filter(|(_, d)| !is_crd(d)) {
             match key_of(&kinds, doc) {
                 Ok(key) => {
-                    if written.insert(key.clone(), (*doc).clone()).is_some() {
+                    if written.insert(key.clone(), *doc).is_some() {
                         tracing::warn!(file = %path.display(), object = ?key, "object defined twice; the later file wins");
                     }
                 }
                 Err(why) => tracing::warn!(file = %path.display(), "skipping a document: {why}"),
             }
         }
-        let mut objects = HashMap::new();
         let mut moved = kinds != self.kinds || written.len() != self.objects.len();
+        let mut objects = HashMap::with_capacity(written.len());
+        // Sorted, so resourceVersions are handed out in a stable order.
         for (key, doc) in written {
-            let stored = match self.objects.remove(&key) {
-                Some(old) if old.written == doc => old,
+            let stored = match self.objects.get(&key) {
+                Some(old) if Arc::ptr_eq(&old.written, doc) || *old.written == **doc => old.clone(),
                 old => {
                     moved = true;
                     let rv = self.next_rv;
                     self.next_rv += 1;
-                    serve(&key, doc, rv, old.as_ref())
+                    Arc::new(serve(&key, doc.clone(), rv, old.map(|o| &**o)))
                 }
             };
             objects.insert(key, stored);
         }
-        moved |= !self.objects.is_empty();
-        self.objects = objects.clone();
+        moved |= self.objects.keys().any(|k| !objects.contains_key(k));
         self.kinds = kinds.clone();
+        self.objects = objects.clone();
         moved.then(|| Arc::new(Catalog { kinds, objects }))
     }
 }
 
 /// The object as an API server would serve it: the server's metadata added.
-fn serve(key: &Key, doc: Value, rv: u64, old: Option<&Stored>) -> Stored {
-    let mut served = doc.clone();
+fn serve(key: &Key, doc: Arc<Value>, rv: u64, old: Option<&Stored>) -> Stored {
+    let mut served = (*doc).clone();
     let old_meta = old.map(|o| &o.served["metadata"]);
     let keep = |field: &str, fresh: Value| {
         old_meta
@@ -333,56 +566,101 @@ fn spec_of(v: &Value) -> Value {
     v
 }
 
-fn manifest_files(dir: &Path) -> Vec<PathBuf> {
-    let mut out = Vec::new();
-    let mut pending = vec![dir.to_path_buf()];
-    while let Some(d) = pending.pop() {
-        let Ok(entries) = std::fs::read_dir(&d) else {
-            continue;
-        };
-        for entry in entries.flatten() {
-            let path = entry.path();
-            let hidden = path
-                .file_name()
-                .and_then(|n| n.to_str())
-                .is_some_and(|n| n.starts_with('.'));
-            if hidden {
-                continue;
-            }
-            if path.is_dir() {
-                pending.push(path);
-            } else if matches!(
-                path.extension().and_then(|e| e.to_str()),
-                Some("yaml" | "yml" | "json")
-            ) {
-                out.push(path);
-            }
-        }
+/// A file's documents, within the size and nesting limits.
+fn read_docs(path: &Path, len: u64) -> Result<Vec<Arc<Value>>, String> {
+    let too_large =
+        |len: u64| format!("{len} bytes: a manifest file may have at most {MAX_FILE_BYTES} bytes");
+    if len > MAX_FILE_BYTES {
+        return Err(too_large(len));
     }
-    out.sort();
-    out
+    let text = std::fs::read_to_string(path).map_err(|e| e.to_string())?;
+    if text.len() as u64 > MAX_FILE_BYTES {
+        return Err(too_large(text.len() as u64));
+    }
+    let json = path.extension().is_some_and(|e| e == "json");
+    if let Some(line) = too_deep(&text, MAX_NESTING, json) {
+        return Err(format!(
+            "nested more than {MAX_NESTING} levels deep (line {line})"
+        ));
+    }
+    if json {
+        let value: Value = serde_json::from_str(&text).map_err(|e| e.to_string())?;
+        return documents([value]);
+    }
+    let mut values = Vec::new();
+    for doc in serde_yaml::Deserializer::from_str(&text) {
+        values.push(serde::Deserialize::deserialize(doc).map_err(|e| e.to_string())?);
+    }
+    documents(values)
 }
 
-fn read_docs(path: &Path) -> Result<Vec<Value>, String> {
-    let text = std::fs::read_to_string(path).map_err(|e| e.to_string())?;
+/// The objects of a file's documents: `List`s unpacked, empty documents skipped.
+fn documents(values: impl IntoIterator<Item = Value>) -> Result<Vec<Arc<Value>>, String> {
     let mut docs = Vec::new();
-    for doc in serde_yaml::Deserializer::from_str(&text) {
-        let value: Value = serde::Deserialize::deserialize(doc).map_err(|e| e.to_string())?;
+    for value in values {
         match value {
             Value::Null => {}
             Value::Object(ref o) if o.get("kind").and_then(Value::as_str) == Some("List") => {
                 docs.extend(
                     o.get("items")
                         .and_then(Value::as_array)
+                        .into_iter()
+                        .flatten()
                         .cloned()
-                        .unwrap_or_default(),
+                        .map(Arc::new),
                 );
             }
-            Value::Object(_) => docs.push(value),
+            Value::Object(_) => docs.push(Arc::new(value)),
             _ => return Err("a document is not a mapping".to_string()),
         }
     }
     Ok(docs)
+}
+
+/// The first line where `text` nests deeper than `max` — block indentation and `- ` items (for
+/// YAML) plus flow brackets — found in one pass before the parser, whose cost grows with the
+/// depth, ever sees it.
+fn too_deep(text: &str, max: usize, json: bool) -> Option<usize> {
+    let mut indents: Vec<usize> = Vec::new();
+    let mut flow = 0usize;
+    for (n, line) in text.lines().enumerate() {
+        let trimmed = line.trim_start();
+        let mut depth = 0;
+        if !json && flow == 0 && !trimmed.is_empty() && !trimmed.starts_with('#') {
+            let indent = line.len() - trimmed.len();
+            while indents.last().is_some_and(|&i| i >= indent) {
+                indents.pop();
+            }
+            indents.push(indent);
+            let dashes = trimmed
+                .split_inclusive(' ')
+                .take_while(|w| *w == "- ")
+                .count();
+            depth = indents.len() + dashes;
+        }
+        let (mut single, mut double, mut escaped) = (false, false, false);
+        let mut previous = ' ';
+        for c in trimmed.chars() {
+            match c {
+                _ if escaped => escaped = false,
+                '\\' if double => escaped = true,
+                '"' if !single => double = !double,
+                '\'' if !double => single = !single,
+                '#' if !json && !single && !double && previous == ' ' => break,
+                '[' | '{' if !single && !double => flow += 1,
+                ']' | '}' if !single && !double => flow = flow.saturating_sub(1),
+                _ => {}
+            }
+            previous = c;
+            if depth.max(indents.len()) + flow > max {
+                return Some(n + 1);
+            }
+        }
+        if depth > max {
+            return Some(n + 1);
+        }
+    }
+    None
 }
 
 fn is_crd(doc: &Value) -> bool {
@@ -502,6 +780,15 @@ mod tests {
         )
     }
 
+    fn loader(dir: &Path) -> Loader {
+        Loader::new(dir, Arc::default()).unwrap()
+    }
+
+    /// Two polls: a change is taken once two see it the same.
+    fn settle(loader: &mut Loader) -> Option<Arc<Catalog>> {
+        loader.scan(false).or_else(|| loader.scan(false))
+    }
+
     fn key(name: &str) -> Key {
         (
             "core.openfeature.dev".into(),
@@ -516,14 +803,14 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         write(dir.path(), "crd.yaml", CRD);
         write(dir.path(), "a.yaml", &flag("a", "a"));
-        let mut loader = Loader::new(dir.path().to_path_buf());
-        let catalog = loader.scan().expect("a first catalog");
+        let mut loader = loader(dir.path());
+        let catalog = loader.scan(true).expect("a first catalog");
         assert_eq!(catalog.kinds.len(), 1);
         let a = &catalog.objects[&key("a")];
         assert_eq!(a.served["metadata"]["namespace"], "default");
         assert_eq!(a.served["metadata"]["generation"], 1);
         assert!(!a.object.uid.is_empty());
-        assert!(loader.scan().is_none(), "nothing changed");
+        assert!(settle(&mut loader).is_none(), "nothing changed");
     }
 
     #[test]
@@ -531,19 +818,22 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         write(dir.path(), "crd.yaml", CRD);
         write(dir.path(), "a.yaml", &flag("a", "a"));
-        let mut loader = Loader::new(dir.path().to_path_buf());
-        let first = loader.scan().unwrap().objects[&key("a")].object.clone();
+        let mut loader = loader(dir.path());
+        let first = loader.scan(true).unwrap().objects[&key("a")].object.clone();
         std::thread::sleep(Duration::from_millis(10));
         write(dir.path(), "a.yaml", &flag("a", "b"));
-        let catalog = loader.scan().expect("the edit is seen");
+        assert!(
+            loader.scan(false).is_none(),
+            "a change is taken once it has held"
+        );
+        let catalog = loader.scan(false).expect("the edit is seen");
         let second = &catalog.objects[&key("a")];
         assert_eq!(second.object.uid, first.uid);
         assert_ne!(second.object.resource_version, first.resource_version);
         assert_eq!(second.served["metadata"]["generation"], 2);
         std::fs::remove_file(dir.path().join("a.yaml")).unwrap();
         assert!(
-            loader
-                .scan()
+            settle(&mut loader)
                 .expect("the delete is seen")
                 .objects
                 .is_empty()
@@ -555,11 +845,44 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         write(dir.path(), "crd.yaml", CRD);
         write(dir.path(), "a.yaml", &flag("a", "a"));
-        let mut loader = Loader::new(dir.path().to_path_buf());
-        loader.scan().unwrap();
+        let mut loader = loader(dir.path());
+        loader.scan(true).unwrap();
         write(dir.path(), "a.yaml", "apiVersion: [unclosed");
-        assert!(loader.scan().is_none(), "nothing served changes");
+        assert!(settle(&mut loader).is_none(), "nothing served changes");
         assert!(loader.objects.contains_key(&key("a")));
+        assert!(
+            loader
+                .shared
+                .problems
+                .lock()
+                .unwrap()
+                .contains_key(&dir.path().canonicalize().unwrap().join("a.yaml"))
+        );
+    }
+
+    #[test]
+    fn nesting_is_measured_in_block_flow_and_json_forms() {
+        let deep_flow = format!("a: {}{}\n", "[".repeat(70), "]".repeat(70));
+        assert_eq!(too_deep(&deep_flow, MAX_NESTING, false), Some(1));
+        let deep_json = format!(
+            "{}{}",
+            "{\"a\":".repeat(70),
+            "1".to_string() + &"}".repeat(70)
+        );
+        assert_eq!(too_deep(&deep_json, MAX_NESTING, true), Some(1));
+        let mut block = String::new();
+        for i in 0..70 {
+            block.push_str(&format!("{}k{i}:\n", " ".repeat(i * 2)));
+        }
+        assert_eq!(too_deep(&block, MAX_NESTING, false), Some(MAX_NESTING + 1));
+        // Real manifests, brackets in strings and comments, and pretty JSON pass.
+        assert_eq!(too_deep(CRD, MAX_NESTING, false), None);
+        assert_eq!(too_deep(&flag("a", "a"), MAX_NESTING, false), None);
+        assert_eq!(too_deep("a: \"[[[[[[\" # {{{{{{\n", 3, false), None);
+        let pretty =
+            serde_json::to_string_pretty(&serde_json::json!({"a": {"b": {"c": [1, 2]}}})).unwrap();
+        assert_eq!(too_deep(&pretty, 4, true), None);
+        assert_eq!(too_deep(&pretty, 3, true), Some(4));
     }
 
     #[test]

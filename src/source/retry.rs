@@ -70,9 +70,17 @@ pub struct Recovery {
     probe: Probe,
     /// Bumped each time the server is found back after a probe found it gone.
     back: watch::Sender<u64>,
-    probing: Mutex<bool>,
+    probing: Mutex<Probing>,
     /// Whether the last probe failed.
     down: AtomicBool,
+}
+
+#[derive(Default)]
+struct Probing {
+    running: bool,
+    /// When a probe last found the server answering: within [`PROBE_EVERY`] of that, failures
+    /// are the watches' own and start no probe.
+    up_at: Option<Instant>,
 }
 
 impl Recovery {
@@ -81,7 +89,7 @@ impl Recovery {
         Arc::new(Recovery {
             probe,
             back: watch::channel(0).0,
-            probing: Mutex::new(false),
+            probing: Mutex::new(Probing::default()),
             down: AtomicBool::new(false),
         })
     }
@@ -117,10 +125,10 @@ impl Recovery {
     fn start_probing(self: &Arc<Self>) {
         {
             let mut probing = self.probing.lock().unwrap_or_else(PoisonError::into_inner);
-            if *probing {
+            if probing.running || probing.up_at.is_some_and(|t| t.elapsed() < PROBE_EVERY) {
                 return;
             }
-            *probing = true;
+            probing.running = true;
         }
         let recovery = self.clone();
         tokio::spawn(async move {
@@ -140,7 +148,10 @@ impl Recovery {
             *recovery
                 .probing
                 .lock()
-                .unwrap_or_else(PoisonError::into_inner) = false;
+                .unwrap_or_else(PoisonError::into_inner) = Probing {
+                running: false,
+                up_at: Some(Instant::now()),
+            };
             // A server that answered the first probe was never gone: the watch's failure was its
             // own, and waits out its own backoff.
             if was_down {

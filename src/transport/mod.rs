@@ -282,7 +282,7 @@ fn jittered(age: Duration) -> Duration {
 }
 
 async fn serve_connection(io: Box<dyn Io>, peer: Peer, ctx: Arc<ConnCtx>) {
-    let drain = ctx.shutdown.child_token();
+    let drain = ConnDrain::new(ctx.shutdown.child_token());
     let connect_info = match peer.addr {
         PeerAddr::Tcp { remote, local } => Some(tonic::transport::server::TcpConnectInfo {
             local_addr: Some(local),
@@ -311,7 +311,7 @@ async fn serve_connection(io: Box<dyn Io>, peer: Peer, ctx: Arc<ConnCtx>) {
         ctx.config.max_connection_age_grace,
         ctx.config.shutdown_grace,
     );
-    let draining = drain.clone();
+    let draining = drain.token().clone();
     // The connection's task wakes for every frame it writes; the end is only looked at when it
     // has woken (OnWake), not on each of those.
     let mut ending = OnWake::new(async move {
@@ -324,18 +324,22 @@ async fn serve_connection(io: Box<dyn Io>, peer: Peer, ctx: Arc<ConnCtx>) {
         tokio::select! {
             _ = aged => {
                 tracing::debug!(?age, "connection reached its maximum age: GOAWAY");
-                age_grace
+                (age_grace, true)
             }
-            _ = draining.cancelled() => shutdown_grace,
+            _ = draining.cancelled() => (shutdown_grace, false),
         }
     });
-    let grace = tokio::select! {
+    let (grace, aged) = tokio::select! {
         _ = conn.as_mut() => return,
-        grace = &mut ending => grace,
+        ending = &mut ending => ending,
     };
     // GOAWAY, then end this connection's streams so clients move on; close it at the grace.
     conn.as_mut().graceful_shutdown();
-    drain.cancel();
+    if aged {
+        drain.age();
+    } else {
+        drain.token().cancel();
+    }
     if tokio::time::timeout(grace, conn.as_mut()).await.is_err() {
         tracing::debug!("connection still open at the end of its grace: closing it");
     }
@@ -348,7 +352,7 @@ struct ConnService {
     inner: Service,
     peer: Peer,
     connect_info: Option<tonic::transport::server::TcpConnectInfo>,
-    drain: CancellationToken,
+    drain: ConnDrain,
     metrics: Arc<Metrics>,
     max_request_bytes: usize,
 }
@@ -388,7 +392,7 @@ impl tower::Service<http::Request<Incoming>> for ConnService {
 
     fn call(&mut self, request: http::Request<Incoming>) -> Self::Future {
         let (mut parts, body) = request.into_parts();
-        parts.extensions.insert(ConnDrain(self.drain.clone()));
+        parts.extensions.insert(self.drain.clone());
         parts.extensions.insert(self.peer.clone());
         if let Some(info) = &self.connect_info {
             parts.extensions.insert(info.clone());

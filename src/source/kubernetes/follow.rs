@@ -28,6 +28,11 @@ use crate::source::{Observed, SourceError};
 /// watcher asks the same, under the server's 5–10 minute default).
 const WATCH_TIMEOUT_SECONDS: u32 = 290;
 
+/// The longest a LIST, or a WATCH's response headers, may take: a request the API server
+/// accepted and never answers is abandoned and retried (kube's read timeout, meant for quiet
+/// watch bodies, is minutes).
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// A watch that ends sooner than this without an error counts as a failure for the backoff, so
 /// a server that closes every watch at once is not asked again in a tight loop.
 const SHORT_WATCH: Duration = Duration::from_secs(1);
@@ -99,7 +104,7 @@ impl Follow {
                 }
             }
             match std::mem::replace(&mut self.phase, Phase::List) {
-                Phase::List => match self.api.list(&self.list).await {
+                Phase::List => match bounded(self.api.list(&self.list)).await {
                     Ok(list) => {
                         self.backoff.working();
                         let rv = list.metadata.resource_version.unwrap_or_default();
@@ -114,7 +119,7 @@ impl Follow {
                     }
                     Err(e) => return Some((self.fail(e, Phase::List), self)),
                 },
-                Phase::Watch(rv) => match self.api.watch(&self.watch, &rv).await {
+                Phase::Watch(rv) => match bounded(self.api.watch(&self.watch, &rv)).await {
                     Ok(events) => {
                         self.backoff.working();
                         self.phase = Phase::Streaming {
@@ -212,6 +217,16 @@ impl Follow {
         self.phase = retry;
         self.failing = true;
         Err(error)
+    }
+}
+
+/// `request`, failing with a timeout after [`REQUEST_TIMEOUT`].
+async fn bounded<T>(request: impl Future<Output = kube::Result<T>>) -> kube::Result<T> {
+    match tokio::time::timeout(REQUEST_TIMEOUT, request).await {
+        Ok(answer) => answer,
+        Err(_) => Err(kube::Error::Service(
+            format!("no answer within {REQUEST_TIMEOUT:?}").into(),
+        )),
     }
 }
 

@@ -129,9 +129,7 @@ pub(crate) async fn handle(shared: &Arc<Shared>, parts: &Parts, body: Body) -> R
             json!({})
         }),
         (&Method::DELETE, "faults") => {
-            let mut f = shared.faults();
-            f.injections.clear();
-            f.denials.clear();
+            shared.clear_faults();
             Ok(json!({}))
         }
         (&Method::POST, "tokens") => parse::<TokenUser>(&bytes).map(|user| {

@@ -191,7 +191,12 @@ async fn handle(State(shared): State<Arc<Shared>>, request: Request) -> Response
         Some(Action::Status { code, retry_after }) => {
             return injected_status(code, retry_after).into_response();
         }
-        Some(Action::Hang) => std::future::pending::<()>().await,
+        Some(Action::Hang) => {
+            let mut released = shared.hangs_released.subscribe();
+            // Until the faults are cleared (or the server stops): then a server-side timeout.
+            let _ = released.changed().await;
+            return injected_status(504, None).into_response();
+        }
         None => {}
     }
     let outcome = match route {

@@ -99,6 +99,8 @@ pub(crate) struct Shared {
     faults: Mutex<faults::Faults>,
     control: watch::Sender<Control>,
     stall: watch::Sender<bool>,
+    /// Bumped when faults are cleared: requests hung by an injection then answer 504.
+    hangs_released: watch::Sender<u64>,
     listener: Mutex<ListenerState>,
 }
 
@@ -108,6 +110,15 @@ struct ListenerState {
 }
 
 impl Shared {
+    pub(crate) fn clear_faults(&self) {
+        {
+            let mut f = self.faults();
+            f.injections.clear();
+            f.denials.clear();
+        }
+        self.hangs_released.send_modify(|n| *n += 1);
+    }
+
     pub(crate) fn state(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
@@ -208,6 +219,7 @@ impl FakeApiServer {
             }),
             control,
             stall,
+            hangs_released: watch::channel(0).0,
             listener: Mutex::new(ListenerState {
                 addr: options.listen,
                 accept: None,
@@ -510,11 +522,15 @@ impl FakeApiServer {
         self.shared.faults().injections.push(injection);
     }
 
-    /// Removes every injected fault and denial (grants stay).
+    /// Removes every injected fault and denial (grants stay); requests hung by an injection
+    /// are answered 504, as a server's own timeout would.
     pub fn clear_faults(&self) {
-        let mut f = self.shared.faults();
-        f.injections.clear();
-        f.denials.clear();
+        self.shared.clear_faults();
+    }
+
+    /// Removes one denial added by [`FakeApiServer::deny`].
+    pub fn remove_deny(&self, deny: &Deny) {
+        self.shared.faults().denials.retain(|d| d != deny);
     }
 
     /// Turns RBAC on: from now on only what `grants` allow is allowed (and denials still deny).

@@ -1,0 +1,691 @@
+//! `crd-broker-loadtest soak`: a long random mix of API-server faults under many subscribers,
+//! with concurrent writes and deletes, then the checks the broker promises. Every subscriber ends
+//! on its CR's final state, soon after the last write. There is one watch per CR, and none once
+//! everyone has left. Tasks do not leak, memory does not grow, and readiness does not flap.
+//!
+//! The faults are sequential episodes. After each one ends, a probe write to a CR that is never
+//! deleted is timed until every subscriber of that CR holds it: that is the fault's convergence
+//! time. The fault schedule, the writer's choices and the final states all come from `--seed`.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use crd_broker::pb;
+use crd_broker::pb::subscribe_response::Event;
+use fake_apiserver::{Deny, FakeApiServer, Matcher};
+use serde::Serialize;
+use serde_json::json;
+use tonic::transport::Channel;
+
+use crate::clients;
+use crate::report::scrape;
+use crate::scenarios::{CRD, GV, fake, flag, name};
+use crate::stats::{self, Histogram, Summary};
+use crate::target::{self, Target};
+
+const PATH: &str = "/apis/core.openfeature.dev/v1beta1/namespaces/default/featureflags";
+
+/// What to run.
+#[derive(Debug, Clone, clap::Args)]
+pub struct SoakArgs {
+    /// Faults to inject, one after another.
+    #[arg(long, default_value_t = 1_000)]
+    pub faults: usize,
+    /// Subscribers, spread evenly over the CRs.
+    #[arg(long, default_value_t = 1_000)]
+    pub subscribers: usize,
+    /// FeatureFlags. A tenth of them are deleted and re-created now and then.
+    #[arg(long, default_value_t = 50)]
+    pub crs: usize,
+    /// Connections the subscribers share.
+    #[arg(long, default_value_t = 100)]
+    pub connections: usize,
+    /// Background writes per second, over all CRs.
+    #[arg(long, default_value_t = 20.0)]
+    pub write_rate: f64,
+    /// The seed of the fault schedule, the writes and the final states (default: random, and
+    /// printed so the run can be repeated).
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// A short run for CI: 26 faults (each kind twice), 100 subscribers on 10 CRs.
+    #[arg(long)]
+    pub smoke: bool,
+    /// The broker binary (default: `crd-broker` next to this binary).
+    #[arg(long)]
+    pub broker_bin: Option<std::path::PathBuf>,
+    /// Where to write `soak.json` and `soak.md`.
+    #[arg(long, default_value = "target/loadtest")]
+    pub out: std::path::PathBuf,
+}
+
+impl SoakArgs {
+    fn sized(mut self) -> Self {
+        if self.smoke {
+            self.faults = 2 * FAULTS.len();
+            self.subscribers = 100;
+            self.crs = 10;
+            self.connections = 10;
+        }
+        self.crs = self.crs.max(2);
+        self
+    }
+
+    /// CRs `0..churn` are deleted and re-created by the writer; the rest only change.
+    fn churn(&self) -> usize {
+        (self.crs / 10).max(1)
+    }
+}
+
+/// The faults, each an episode that ends by itself.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "snake_case")]
+enum Fault {
+    /// Every watch connection dropped mid-body.
+    Drop,
+    /// Every watch ended cleanly.
+    Close,
+    /// An ERROR 410 on every watch: relist.
+    Error410,
+    /// History compacted while writes go on, then watches dropped: resumes hit 410.
+    Compaction,
+    /// LISTs fail with 500 (relists forced).
+    List500,
+    /// WATCH starts fail with 500 (watches ended).
+    Watch500,
+    /// LISTs get 429 with Retry-After.
+    List429,
+    /// WATCH starts get 429 with Retry-After.
+    Watch429,
+    /// Watch output held, connections open and silent.
+    Stall,
+    /// WATCH requests accepted and never answered, until the fault ends.
+    Hang,
+    /// The API server down, and back on the same port with its data.
+    Down,
+    /// The CRD deleted (its objects with it) and re-created.
+    CrdRecreated,
+    /// The broker's right to list and watch FeatureFlags revoked, and restored.
+    RbacRevoked,
+}
+
+const FAULTS: [Fault; 13] = [
+    Fault::Drop,
+    Fault::Close,
+    Fault::Error410,
+    Fault::Compaction,
+    Fault::List500,
+    Fault::Watch500,
+    Fault::List429,
+    Fault::Watch429,
+    Fault::Stall,
+    Fault::Hang,
+    Fault::Down,
+    Fault::CrdRecreated,
+    Fault::RbacRevoked,
+];
+
+/// What one subscriber holds.
+#[derive(Debug, Clone, Default, PartialEq)]
+struct Held {
+    present: bool,
+    uid: String,
+    rv: u64,
+    messages: u64,
+}
+
+/// A CR's state on the server.
+#[derive(Debug, Clone, PartialEq)]
+enum Truth {
+    Present { uid: String, rv: u64 },
+    Absent,
+}
+
+impl Truth {
+    fn of(fake: &FakeApiServer, cr: &str) -> Truth {
+        match fake.get(GV, "featureflags", "default", cr) {
+            Ok(obj) => Truth::Present {
+                uid: obj["metadata"]["uid"].as_str().unwrap_or_default().into(),
+                rv: rv_of(&obj),
+            },
+            Err(_) => Truth::Absent,
+        }
+    }
+
+    fn held_by(&self, held: &Held) -> bool {
+        match self {
+            Truth::Present { uid, rv } => held.present && held.uid == *uid && held.rv >= *rv,
+            Truth::Absent => !held.present && held.messages > 0,
+        }
+    }
+}
+
+fn rv_of(obj: &serde_json::Value) -> u64 {
+    obj["metadata"]["resourceVersion"]
+        .as_str()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
+struct Subscribers {
+    held: Vec<Mutex<Held>>,
+    /// Subscriber `i` follows CR `i % crs`.
+    crs: usize,
+    stream_ends: AtomicU64,
+    stop: AtomicBool,
+}
+
+impl Subscribers {
+    fn held(&self, i: usize) -> Held {
+        self.held[i]
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    fn of_cr(&self, k: usize) -> impl Iterator<Item = usize> + '_ {
+        (k..self.held.len()).step_by(self.crs)
+    }
+
+    fn all_hold(&self, k: usize, truth: &Truth) -> bool {
+        self.of_cr(k).all(|i| truth.held_by(&self.held(i)))
+    }
+}
+
+/// One subscriber: subscribes, records every message, and subscribes again if the stream ends.
+async fn subscriber(subs: Arc<Subscribers>, i: usize, channel: Channel) {
+    let cr = name(i % subs.crs);
+    let mut client = pb::broker_client::BrokerClient::new(channel);
+    while !subs.stop.load(Ordering::Relaxed) {
+        let request = pb::SubscribeRequest {
+            resources: vec![pb::ResourceRef {
+                group: "core.openfeature.dev".into(),
+                version: "v1beta1".into(),
+                resource: "featureflags".into(),
+                namespace: "default".into(),
+                name: cr.clone(),
+            }],
+        };
+        if let Ok(response) = client.subscribe(request).await {
+            let mut stream = response.into_inner();
+            while let Ok(Some(m)) = stream.message().await {
+                let mut held = subs.held[i].lock().unwrap_or_else(PoisonError::into_inner);
+                held.messages += 1;
+                match m.event() {
+                    Event::Snapshot | Event::Updated => {
+                        held.present = true;
+                        held.uid = m.uid;
+                        held.rv = m.resource_version.parse().unwrap_or(0);
+                    }
+                    Event::Deleted | Event::Absent => held.present = false,
+                    Event::Failed | Event::Unspecified => {}
+                }
+            }
+        }
+        if subs.stop.load(Ordering::Relaxed) {
+            return;
+        }
+        subs.stream_ends.fetch_add(1, Ordering::Relaxed);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Counts readiness flaps: `/readyz` answers that are not 200 after one that was.
+async fn watch_readiness(admin: SocketAddr, stop: Arc<AtomicBool>) -> u64 {
+    let mut flaps = 0;
+    let mut was_ready = true;
+    while !stop.load(Ordering::Relaxed) {
+        let ready = readyz(admin).await;
+        if was_ready && !ready {
+            flaps += 1;
+        }
+        was_ready = ready;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    flaps
+}
+
+async fn readyz(admin: SocketAddr) -> bool {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let Ok(mut tcp) = tokio::net::TcpStream::connect(admin).await else {
+        return false;
+    };
+    let _ = tcp
+        .write_all(b"GET /readyz HTTP/1.1\r\nHost: b\r\nConnection: close\r\n\r\n")
+        .await;
+    let mut text = String::new();
+    let _ = tcp.read_to_string(&mut text).await;
+    text.starts_with("HTTP/1.1 200")
+}
+
+/// The background writer: patches random CRs, and deletes and re-creates the churn CRs.
+async fn writer(fake: Arc<FakeApiServer>, args: SoakArgs, seed: u64, stop: Arc<AtomicBool>) -> u64 {
+    let mut rng = fastrand::Rng::with_seed(seed);
+    let churn = args.churn();
+    let mut writes = 0;
+    let gap = Duration::from_secs_f64(1.0 / args.write_rate.max(0.1));
+    while !stop.load(Ordering::Relaxed) {
+        let k = rng.usize(..args.crs);
+        let cr = name(k);
+        let done = if k < churn && rng.u8(..4) == 0 {
+            match Truth::of(&fake, &cr) {
+                Truth::Present { .. } => fake.delete(GV, "featureflags", "default", &cr).is_ok(),
+                Truth::Absent => fake.apply(flag(&cr, 256)).is_ok(),
+            }
+        } else {
+            patch(&fake, &cr, writes).is_ok()
+        };
+        writes += u64::from(done);
+        tokio::time::sleep(gap).await;
+    }
+    writes
+}
+
+fn patch(fake: &FakeApiServer, cr: &str, seq: u64) -> anyhow::Result<u64> {
+    let obj = fake.merge_patch(
+        GV,
+        "featureflags",
+        "default",
+        cr,
+        json!({ "spec": { "flagSpec": { "metadata": { "seq": seq } } } }),
+    )?;
+    Ok(rv_of(&obj))
+}
+
+fn between(rng: &mut fastrand::Rng, low_ms: u64, high_ms: u64) -> Duration {
+    Duration::from_millis(rng.u64(low_ms..=high_ms))
+}
+
+/// Injects `fault`, lets it last, and ends it.
+async fn inject(fake: &FakeApiServer, fault: Fault, rng: &mut fastrand::Rng, stable: &[String]) {
+    let times = rng.usize(1..=5);
+    match fault {
+        Fault::Drop => fake.abort_watches(),
+        Fault::Close => fake.close_watches(),
+        Fault::Error410 => fake.error_watches(410),
+        Fault::Compaction => {
+            fake.compact();
+            for cr in stable.iter().take(3) {
+                let _ = patch(fake, cr, 0);
+            }
+            fake.abort_watches();
+        }
+        Fault::List500 | Fault::List429 => {
+            let (code, retry) = if fault == Fault::List500 {
+                (500, None)
+            } else {
+                (429, Some(1))
+            };
+            fake.fail_next(Matcher::verb("list"), times, code, retry);
+            fake.error_watches(410);
+        }
+        Fault::Watch500 | Fault::Watch429 => {
+            let (code, retry) = if fault == Fault::Watch500 {
+                (500, None)
+            } else {
+                (429, Some(1))
+            };
+            fake.fail_next(Matcher::verb("watch"), times, code, retry);
+            fake.close_watches();
+        }
+        Fault::Stall => {
+            fake.stall_watches(true);
+            tokio::time::sleep(between(rng, 200, 1_500)).await;
+            fake.stall_watches(false);
+        }
+        Fault::Hang => {
+            fake.hang_next(Matcher::verb("watch"), times);
+            fake.close_watches();
+        }
+        Fault::Down => {
+            let _ = fake.restart(between(rng, 200, 1_500)).await;
+        }
+        Fault::CrdRecreated => {
+            let _ = fake.delete_crd("featureflags.core.openfeature.dev");
+            tokio::time::sleep(between(rng, 100, 1_000)).await;
+            let _ = fake.install_crd_yaml(CRD);
+            for cr in stable {
+                let _ = fake.apply(flag(cr, 256));
+            }
+        }
+        Fault::RbacRevoked => {
+            let deny = Deny {
+                group: Some("core.openfeature.dev".into()),
+                resource: Some("featureflags".into()),
+                ..Deny::default()
+            };
+            fake.deny(deny.clone());
+            fake.close_watches();
+            tokio::time::sleep(between(rng, 200, 1_500)).await;
+            fake.remove_deny(&deny);
+        }
+    }
+    // Injections last a moment, then the fault is over (hung requests are answered).
+    tokio::time::sleep(between(rng, 50, 400)).await;
+    fake.clear_faults();
+}
+
+/// Faults of one kind and how long the broker took to be current after each.
+#[derive(Debug, Default, Serialize)]
+pub struct KindReport {
+    count: u64,
+    converge: Summary,
+    /// Probes not held by every subscriber within the bound.
+    slow: u64,
+}
+
+/// What a soak measured.
+#[derive(Debug, Serialize)]
+pub struct SoakReport {
+    seed: u64,
+    faults: usize,
+    subscribers: usize,
+    crs: usize,
+    writes: u64,
+    duration_seconds: f64,
+    by_fault: BTreeMap<Fault, KindReport>,
+    /// From the last write after the faults stopped until every subscriber held its CR's final
+    /// state.
+    final_converge_ms: f64,
+    /// Subscribers not on their CR's final state 30 s after the last write.
+    lost: usize,
+    /// CRs not watched by exactly one watch at the end (with their subscribers on).
+    watches_not_one: usize,
+    /// Watches open at the API server once everyone had left and the linger passed.
+    watches_after_leaving: usize,
+    /// Streams that ended and were opened again.
+    stream_ends: u64,
+    readiness_flaps: u64,
+    rss_warm_bytes: u64,
+    rss_after_bytes: u64,
+    rss_growth: f64,
+    tasks_before: f64,
+    tasks_after: f64,
+}
+
+impl SoakReport {
+    fn problems(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        if self.lost > 0 {
+            out.push(format!("{} subscribers lost their final state", self.lost));
+        }
+        if self.final_converge_ms > 5_000.0 {
+            out.push(format!(
+                "converged {:.0} ms after the last write (goal 5 s)",
+                self.final_converge_ms
+            ));
+        }
+        if self.watches_not_one > 0 {
+            out.push(format!(
+                "{} CRs without exactly one watch",
+                self.watches_not_one
+            ));
+        }
+        if self.watches_after_leaving > 0 {
+            out.push(format!(
+                "{} watches left after everyone left",
+                self.watches_after_leaving
+            ));
+        }
+        if self.rss_growth > 1.2 {
+            out.push(format!("RSS grew {:.2}× (goal ≤ 1.2×)", self.rss_growth));
+        }
+        if self.tasks_after > self.tasks_before + 5.0 {
+            out.push(format!(
+                "{} runtime tasks after, {} before",
+                self.tasks_after, self.tasks_before
+            ));
+        }
+        out
+    }
+
+    fn markdown(&self) -> String {
+        let mut md = format!(
+            "## Fault soak (seed {})\n\n{} faults, {} subscribers on {} CRs, {} background writes, {:.0} s.\n\n\
+             | fault | count | converge p50 | p99 | max | slow |\n|---|---:|---:|---:|---:|---:|\n",
+            self.seed, self.faults, self.subscribers, self.crs, self.writes, self.duration_seconds
+        );
+        for (fault, r) in &self.by_fault {
+            md.push_str(&format!(
+                "| {} | {} | {:.0} ms | {:.0} ms | {:.0} ms | {} |\n",
+                serde_json::to_value(fault)
+                    .unwrap_or_default()
+                    .as_str()
+                    .unwrap_or("?"),
+                r.count,
+                r.converge.p50_ms,
+                r.converge.p99_ms,
+                r.converge.max_ms,
+                r.slow
+            ));
+        }
+        md.push_str(&format!(
+            "\n- final states held {:.0} ms after the last write; lost {}\n\
+             - CRs without exactly one watch: {}; watches after everyone left: {}\n\
+             - streams ended and reopened: {}; readiness flaps: {}\n\
+             - RSS {:.1} MiB after warm-up, {:.1} MiB after the faults ({:.2}×)\n\
+             - runtime tasks {} before the subscribers, {} after they left\n",
+            self.final_converge_ms,
+            self.lost,
+            self.watches_not_one,
+            self.watches_after_leaving,
+            self.stream_ends,
+            self.readiness_flaps,
+            self.rss_warm_bytes as f64 / 1048576.0,
+            self.rss_after_bytes as f64 / 1048576.0,
+            self.rss_growth,
+            self.tasks_before,
+            self.tasks_after,
+        ));
+        md
+    }
+}
+
+async fn wait_until(limit: Duration, mut done: impl FnMut() -> bool) -> Option<Duration> {
+    let start = Instant::now();
+    while start.elapsed() < limit {
+        if done() {
+            return Some(start.elapsed());
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    done().then(|| start.elapsed())
+}
+
+/// Runs the soak and writes its report; fails if a promise was broken.
+pub async fn soak(args: SoakArgs) -> anyhow::Result<()> {
+    let args = args.sized();
+    stats::raise_fd_limit();
+    let seed = args.seed.unwrap_or_else(|| fastrand::u64(..));
+    println!("soak: seed {seed}");
+    let mut rng = fastrand::Rng::with_seed(seed);
+    let bin = target::broker_bin(args.broker_bin.clone())?;
+    let (fake, dir) = fake(args.crs, 256).await?;
+    let fake = Arc::new(fake);
+    let linger = Duration::from_secs(1);
+    std::fs::create_dir_all(&args.out)?;
+    let log = std::fs::File::create(args.out.join("soak-broker.log"))?;
+    let broker = Target::broker_logging(
+        &bin,
+        &dir.path().join("kubeconfig"),
+        linger,
+        &["--max-staleness", "5m"],
+        log.into(),
+    )
+    .await?;
+    let admin = broker.admin.context("the broker's admin port")?;
+    let ready = async {
+        while !readyz(admin).await {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(30), ready)
+        .await
+        .context("the broker did not become ready")?;
+    let tasks_before = scrape(admin)
+        .await
+        .get("crd_broker_runtime_tasks")
+        .copied()
+        .unwrap_or(0.0);
+
+    let subs = Arc::new(Subscribers {
+        held: (0..args.subscribers).map(|_| Mutex::default()).collect(),
+        crs: args.crs,
+        stream_ends: AtomicU64::new(0),
+        stop: AtomicBool::new(false),
+    });
+    let channels = clients::connections(broker.grpc, args.connections.max(1), 8).await?;
+    let mut tasks = Vec::with_capacity(args.subscribers);
+    for i in 0..args.subscribers {
+        let channel = channels[i % channels.len()].clone();
+        tasks.push(tokio::spawn(subscriber(subs.clone(), i, channel)));
+    }
+    let warm = wait_until(Duration::from_secs(60), || {
+        (0..args.subscribers).all(|i| subs.held(i).messages > 0)
+    })
+    .await;
+    anyhow::ensure!(warm.is_some(), "not every subscriber got its first message");
+    let rss_warm = broker.rss();
+
+    let started = Instant::now();
+    let stop = Arc::new(AtomicBool::new(false));
+    let watching = Arc::new(AtomicBool::new(false));
+    let flaps = tokio::spawn(watch_readiness(admin, watching.clone()));
+    let writes = tokio::spawn(writer(fake.clone(), args.clone(), seed ^ 1, stop.clone()));
+    let churn = args.churn();
+    let stable: Vec<String> = (churn..args.crs).map(name).collect();
+    let mut by_fault: BTreeMap<Fault, (KindReport, Histogram)> = BTreeMap::new();
+    // Every kind in turn, each round in a random order.
+    let mut round = Vec::new();
+    for n in 0..args.faults {
+        if round.is_empty() {
+            round = FAULTS.to_vec();
+            rng.shuffle(&mut round);
+        }
+        let fault = round.pop().unwrap_or(Fault::Drop);
+        inject(&fake, fault, &mut rng, &stable).await;
+        let k = rng.usize(churn..args.crs);
+        let entry = by_fault.entry(fault).or_default();
+        entry.0.count += 1;
+        let probe = match patch(&fake, &name(k), n as u64) {
+            Ok(rv) => rv,
+            Err(_) => continue,
+        };
+        let truth = match Truth::of(&fake, &name(k)) {
+            Truth::Present { uid, .. } => Truth::Present { uid, rv: probe },
+            Truth::Absent => continue,
+        };
+        match wait_until(Duration::from_secs(15), || subs.all_hold(k, &truth)).await {
+            Some(took) => entry.1.record(took),
+            None => entry.0.slow += 1,
+        }
+        if (n + 1) % 100 == 0 {
+            println!(
+                "soak: {} faults, {:.0} s",
+                n + 1,
+                started.elapsed().as_secs_f64()
+            );
+        }
+    }
+    stop.store(true, Ordering::Relaxed);
+    let writes = writes.await.unwrap_or(0);
+
+    // The faults have stopped: the final writes, then every subscriber must hold them.
+    fake.clear_faults();
+    fake.stall_watches(false);
+    for k in 0..args.crs {
+        let cr = name(k);
+        if k < churn && rng.bool() {
+            let _ = fake.delete(GV, "featureflags", "default", &cr);
+        } else if Truth::of(&fake, &cr) == Truth::Absent {
+            fake.apply(flag(&cr, 256))?;
+        } else {
+            patch(&fake, &cr, u64::MAX / 2)?;
+        }
+    }
+    let last_write = Instant::now();
+    let truths: Vec<Truth> = (0..args.crs).map(|k| Truth::of(&fake, &name(k))).collect();
+    let all_final = || (0..args.crs).all(|k| subs.all_hold(k, &truths[k]));
+    let converged = wait_until(Duration::from_secs(30), all_final).await;
+    let final_converge_ms = converged
+        .map(|_| last_write.elapsed().as_secs_f64() * 1000.0)
+        .unwrap_or(f64::INFINITY);
+    let lost = (0..args.subscribers)
+        .filter(|&i| !truths[i % args.crs].held_by(&subs.held(i)))
+        .count();
+    let one_each = || {
+        (0..args.crs)
+            .filter(|&k| {
+                fake.open_watches_on(PATH, Some(&format!("metadata.name={}", name(k)))) != 1
+            })
+            .count()
+    };
+    wait_until(Duration::from_secs(10), || one_each() == 0).await;
+    let watches_not_one = one_each();
+    let rss_after = broker.rss();
+    watching.store(true, Ordering::Relaxed);
+    let readiness_flaps = flaps.await.unwrap_or(0);
+
+    // Everyone leaves: after the linger, no watch is left, and no task.
+    subs.stop.store(true, Ordering::Relaxed);
+    for t in &tasks {
+        t.abort();
+    }
+    drop(channels);
+    wait_until(linger + Duration::from_secs(10), || {
+        fake.open_watches() == 0
+    })
+    .await;
+    let watches_after_leaving = fake.open_watches();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let tasks_after = scrape(admin)
+        .await
+        .get("crd_broker_runtime_tasks")
+        .copied()
+        .unwrap_or(f64::NAN);
+    broker.stop().await;
+
+    let report = SoakReport {
+        seed,
+        faults: args.faults,
+        subscribers: args.subscribers,
+        crs: args.crs,
+        writes,
+        duration_seconds: started.elapsed().as_secs_f64(),
+        by_fault: by_fault
+            .into_iter()
+            .map(|(f, (mut r, h))| {
+                r.converge = h.summary();
+                (f, r)
+            })
+            .collect(),
+        final_converge_ms,
+        lost,
+        watches_not_one,
+        watches_after_leaving,
+        stream_ends: subs.stream_ends.load(Ordering::Relaxed),
+        readiness_flaps,
+        rss_warm_bytes: rss_warm,
+        rss_after_bytes: rss_after,
+        rss_growth: rss_after as f64 / rss_warm.max(1) as f64,
+        tasks_before,
+        tasks_after,
+    };
+    std::fs::write(
+        args.out.join("soak.json"),
+        serde_json::to_string_pretty(&report)?,
+    )?;
+    let md = report.markdown();
+    std::fs::write(args.out.join("soak.md"), &md)?;
+    println!("{md}");
+    let problems = report.problems();
+    anyhow::ensure!(
+        problems.is_empty(),
+        "the soak failed: {}",
+        problems.join("; ")
+    );
+    Ok(())
+}
