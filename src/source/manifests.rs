@@ -50,7 +50,7 @@ struct Stored {
 #[derive(Debug, Default)]
 struct Catalog {
     kinds: Vec<ManifestKind>,
-    objects: HashMap<Key, Arc<Stored>>,
+    objects: Arc<HashMap<Key, Arc<Stored>>>,
 }
 
 impl Catalog {
@@ -360,7 +360,8 @@ struct Loader {
     pending: HashMap<PathBuf, Option<Stamp>>,
     /// The stamp of each file's last failed read, so a broken file is reported once.
     failed: HashMap<PathBuf, Stamp>,
-    objects: HashMap<Key, Arc<Stored>>,
+    /// What the last catalog serves (shared with it).
+    objects: Arc<HashMap<Key, Arc<Stored>>>,
     next_rv: u64,
     kinds: Vec<ManifestKind>,
 }
@@ -375,7 +376,7 @@ impl Loader {
             taken: HashMap::new(),
             pending: HashMap::new(),
             failed: HashMap::new(),
-            objects: HashMap::new(),
+            objects: Arc::default(),
             next_rv: 1,
             kinds: Vec::new(),
         })
@@ -519,6 +520,7 @@ impl Loader {
             objects.insert(key, stored);
         }
         moved |= self.objects.keys().any(|k| !objects.contains_key(k));
+        let objects = Arc::new(objects);
         self.kinds = kinds.clone();
         self.objects = objects.clone();
         moved.then(|| Arc::new(Catalog { kinds, objects }))
