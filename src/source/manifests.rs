@@ -16,7 +16,7 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
 use futures::StreamExt;
@@ -24,7 +24,7 @@ use futures::stream::{self, BoxStream};
 use serde_json::{Value, json};
 use tokio::sync::watch;
 
-use super::{KindNames, Object, Observed, Source, SourceError};
+use super::{KindNames, Object, Observed, Source, SourceError, lock};
 use crate::selector::{KindRef, Selector};
 
 /// One kind a CRD in the directory defines.
@@ -155,10 +155,6 @@ impl Manifests {
     pub fn problems(&self) -> BTreeMap<PathBuf, String> {
         lock(&self.shared.problems).clone()
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 impl Source for Manifests {

@@ -14,6 +14,11 @@ pub mod kubernetes;
 pub mod manifests;
 pub mod retry;
 
+/// A mutex's guard, whether or not a holder panicked (the sources' state stays usable).
+pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 /// One object's state, as a source observed it.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Observed {

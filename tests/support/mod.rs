@@ -5,6 +5,8 @@
 
 use std::time::Duration;
 
+pub mod dns;
+
 use crd_broker::broker::Running;
 use crd_broker::pb;
 use crd_broker::pb::broker_client::BrokerClient;

@@ -13,7 +13,7 @@ use kube::core::{ApiResource, GroupVersionKind};
 use tokio::time::Instant;
 
 use super::retry::Recovery;
-use super::{KindNames, Object, Observed, Source, SourceError};
+use super::{KindNames, Object, Observed, Source, SourceError, lock};
 use crate::cache::FlightCache;
 use crate::selector::{KindRef, Selector};
 
@@ -81,24 +81,6 @@ fn ttl<T>(answer: &Discovered<T>, worked: Duration) -> Duration {
         Ok(_) => worked,
         Err(SourceError::UnknownKind(_)) => ABSENT_TTL,
         Err(_) => Duration::ZERO,
-    }
-}
-
-/// `answer`, or the last one that worked if the API server failed to give it (and remembers an
-/// answer that worked as the last). An outage of the API server does not make the kinds it
-/// served unknown: the broker keeps resolving them, and serving the watches it holds.
-fn or_last<T>(answer: Discovered<T>, last: &Mutex<Option<Arc<T>>>) -> Discovered<T> {
-    let mut last = last.lock().unwrap_or_else(PoisonError::into_inner);
-    match answer {
-        Ok(worked) => {
-            *last = Some(worked.clone());
-            Ok(worked)
-        }
-        Err(e) if e.is_outage() => last.clone().ok_or(e),
-        Err(e) => {
-            *last = None;
-            Err(e)
-        }
     }
 }
 
@@ -246,37 +228,15 @@ impl Kubernetes {
     }
 
     async fn group_version(&self, group_version: &str) -> Discovered<GroupVersion> {
-        let last = self
-            .last_group_versions
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .get(group_version)
-            .cloned();
-        // While the API server is known to be down, the last answer serves at once.
-        if let Some(last) = &last
-            && self.recovery.is_down()
-        {
-            return Ok(last.clone());
-        }
-        let answer = self.fetch_group_version(group_version).await;
-        let mut lasts = self
-            .last_group_versions
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        match answer {
-            Ok(worked) => {
-                lasts.insert(group_version.to_string(), worked.clone());
-                Ok(worked)
-            }
-            Err(e) if e.is_outage() => {
-                self.recovery.suspect();
-                last.ok_or(e)
-            }
-            Err(e) => {
-                lasts.remove(group_version);
-                Err(e)
-            }
-        }
+        let last = lock(&self.last_group_versions).get(group_version).cloned();
+        self.or_last(last, self.fetch_group_version(group_version), |last| {
+            let mut lasts = lock(&self.last_group_versions);
+            match last {
+                Some(last) => lasts.insert(group_version.to_string(), last),
+                None => lasts.remove(group_version),
+            };
+        })
+        .await
     }
 
     async fn fetch_group_version(&self, group_version: &str) -> Discovered<GroupVersion> {
@@ -335,20 +295,43 @@ impl Kubernetes {
     }
 
     async fn groups(&self) -> Discovered<Groups> {
-        if self.recovery.is_down()
-            && let Some(last) = self
-                .last_groups
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .clone()
+        let last = lock(&self.last_groups).clone();
+        self.or_last(last, self.fetch_groups(), |last| {
+            *lock(&self.last_groups) = last
+        })
+        .await
+    }
+
+    /// The answer `fetch` gives, or the `last` one that worked if the API server is down or
+    /// fails to answer; `remember` keeps what is the last answer from now on. While the server
+    /// is known to be down, the last answer serves at once, without asking. An outage does not
+    /// make the kinds the server served unknown: the broker keeps resolving them, and serving
+    /// the watches it holds.
+    async fn or_last<T>(
+        &self,
+        last: Option<Arc<T>>,
+        fetch: impl Future<Output = Discovered<T>>,
+        remember: impl FnOnce(Option<Arc<T>>),
+    ) -> Discovered<T> {
+        if let Some(last) = &last
+            && self.recovery.is_down()
         {
-            return Ok(last);
+            return Ok(last.clone());
         }
-        let answer = self.fetch_groups().await;
-        if answer.as_ref().is_err_and(SourceError::is_outage) {
-            self.recovery.suspect();
+        match fetch.await {
+            Ok(worked) => {
+                remember(Some(worked.clone()));
+                Ok(worked)
+            }
+            Err(e) if e.is_outage() => {
+                self.recovery.suspect();
+                last.ok_or(e)
+            }
+            Err(e) => {
+                remember(None);
+                Err(e)
+            }
         }
-        or_last(answer, &self.last_groups)
     }
 
     async fn fetch_groups(&self) -> Discovered<Groups> {

@@ -1,0 +1,165 @@
+//! Balancing as real clients do it: replicas on 127.0.0.2–5 behind one DNS name (as a headless
+//! Service is), and the real gRPC C-core client (grpcio) with a `dns:///` target and
+//! `round_robin`. Streams spread over the replicas; after the maximum connection age the client
+//! re-resolves and a replica added to DNS takes its share; a replica that dies loses its streams
+//! to the others.
+
+mod support;
+
+use std::net::Ipv4Addr;
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use crd_broker::broker::{Config, Listeners, Running};
+use crd_broker::source::kubernetes::Kubernetes;
+use fake_apiserver::FakeApiServer;
+use prost::Message;
+use support::dns::Dns;
+use support::*;
+use tokio::net::TcpListener;
+
+const NAME: &str = "broker.test";
+const STREAMS: usize = 30;
+
+fn python() -> PathBuf {
+    let python = std::env::var_os("CRD_BROKER_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(".venv/bin/python"));
+    let ready = std::process::Command::new(&python)
+        .args(["-c", "import grpc"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    assert!(
+        ready,
+        "{} cannot import grpc: run the README's test command (scripts/test), which makes the virtualenv",
+        python.display()
+    );
+    python
+}
+
+fn ip(last: u8) -> Ipv4Addr {
+    Ipv4Addr::new(127, 0, 0, last)
+}
+
+/// A replica on `ip:port`, its connections aged after `age`.
+async fn replica(
+    fake: &FakeApiServer,
+    ip: Ipv4Addr,
+    port: u16,
+    age: Duration,
+) -> Running<Kubernetes> {
+    let listener = TcpListener::bind((ip, port))
+        .await
+        .expect("the replica's address");
+    let mut config = Config {
+        linger: Duration::from_secs(30),
+        ..Config::default()
+    };
+    config.transport.max_connection_age = Some(age);
+    config.transport.max_connection_age_grace = Duration::from_secs(1);
+    config.transport.shutdown_grace = Duration::ZERO;
+    Running::start_with(
+        Listeners::tcp(listener),
+        Kubernetes::new(kube_client(fake), vec![]),
+        config,
+    )
+    .expect("the replica starts")
+}
+
+/// Streams a replica serves now.
+fn streams(r: &Running<Kubernetes>) -> usize {
+    r.registry.watches().iter().map(|w| w.subscribers).sum()
+}
+
+async fn settle(what: &str, mut done: impl FnMut() -> bool) -> Duration {
+    let start = Instant::now();
+    let ok = tokio::time::timeout(Duration::from_secs(30), async {
+        while !done() {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    assert!(ok.is_ok(), "{what}");
+    start.elapsed()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpcio_round_robin_over_dns_spreads_rebalances_and_fails_over() {
+    let fake = fake().await;
+    fake.apply(flag("demo", "on")).unwrap();
+    let port = free_port();
+    let age = Duration::from_secs(3);
+    let mut replicas = Vec::new();
+    for last in [2, 3, 4] {
+        replicas.push(replica(&fake, ip(last), port, age).await);
+    }
+    let dns = Dns::start(NAME, &[ip(2), ip(3), ip(4)]).await;
+    let target = format!("dns://{}/{NAME}:{port}", dns.addr);
+    let request = hex(&request(&[&demo("demo")]).encode_to_vec());
+    let mut client = tokio::process::Command::new(python())
+        .arg(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/python/grpcio_dns_balance.py"
+        ))
+        .args([&target, &STREAMS.to_string(), &request, "1000"])
+        .env("GRPC_DNS_RESOLVER", "ares")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+
+    // Spread over the three.
+    settle("every stream is served", || {
+        replicas.iter().map(streams).sum::<usize>() == STREAMS
+    })
+    .await;
+    let spread: Vec<usize> = replicas.iter().map(streams).collect();
+    println!("streams per replica: {spread:?}");
+    assert!(spread.iter().all(|&n| n >= STREAMS / 6), "{spread:?}");
+
+    // A fourth replica in DNS takes its share once connections age and the client re-resolves.
+    replicas.push(replica(&fake, ip(5), port, age).await);
+    dns.set(&[ip(2), ip(3), ip(4), ip(5)]);
+    let took = settle("the new replica takes its share", || {
+        streams(&replicas[3]) >= STREAMS / 8
+    })
+    .await;
+    println!("the fourth replica served streams {took:?} after it joined");
+    // One more age: every connection has been re-made with four addresses to pick from.
+    tokio::time::sleep(age + Duration::from_secs(2)).await;
+    settle("every stream is served again", || {
+        replicas.iter().map(streams).sum::<usize>() == STREAMS
+    })
+    .await;
+    let spread: Vec<usize> = replicas.iter().map(streams).collect();
+    let mean = STREAMS as f64 / 4.0;
+    let max = *spread.iter().max().unwrap() as f64;
+    println!(
+        "after one more age, per replica {spread:?}, max/mean {:.2}",
+        max / mean
+    );
+    assert!(spread.iter().all(|&n| n > 0), "{spread:?}");
+
+    // A replica dies (and leaves DNS): its streams move to the others.
+    let dead = replicas.remove(0);
+    dns.set(&[ip(3), ip(4), ip(5)]);
+    let died = Instant::now();
+    dead.shutdown.cancel();
+    settle("the dead replica's streams moved", || {
+        replicas.iter().map(streams).sum::<usize>() == STREAMS
+    })
+    .await;
+    println!(
+        "streams moved {:?} after a replica died: {:?}",
+        died.elapsed(),
+        replicas.iter().map(streams).collect::<Vec<_>>()
+    );
+    drop(client.stdin.take());
+    let _ = client.kill().await;
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
