@@ -1,6 +1,6 @@
 //! Balancing as real clients do it: replicas on 127.0.0.2–5 behind one DNS name (as a headless
-//! Service is), and the real gRPC C-core client (grpcio) with a `dns:///` target and
-//! `round_robin`. Streams spread over the replicas; after the maximum connection age the client
+//! Service is), and the real gRPC clients — C-core (grpcio) and @grpc/grpc-js — with a `dns:`
+//! target and `round_robin`. Streams spread over the replicas; after the maximum connection age the client
 //! re-resolves and a replica added to DNS takes its share; a replica that dies loses its streams
 //! to the others.
 
@@ -84,8 +84,43 @@ async fn settle(what: &str, mut done: impl FnMut() -> bool) -> Duration {
     start.elapsed()
 }
 
+fn node_client() -> tokio::process::Command {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/node");
+    assert!(
+        dir.join("node_modules/@grpc/grpc-js").exists(),
+        "{} has no @grpc/grpc-js: run the README's test command (scripts/test), which installs it",
+        dir.display()
+    );
+    let mut node = tokio::process::Command::new("node");
+    node.arg(dir.join("dns_balance.js"))
+        .env("GRPC_NODE_USE_ALTERNATIVE_RESOLVER", "true");
+    node
+}
+
+fn grpcio_client() -> tokio::process::Command {
+    let mut python = tokio::process::Command::new(python());
+    python
+        .arg(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/python/grpcio_dns_balance.py"
+        ))
+        .env("GRPC_DNS_RESOLVER", "ares");
+    python
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn grpcio_round_robin_over_dns_spreads_rebalances_and_fails_over() {
+    balances(grpcio_client()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpc_js_round_robin_over_dns_spreads_rebalances_and_fails_over() {
+    balances(node_client()).await;
+}
+
+/// `client` (a script taking TARGET STREAMS REQUEST_HEX MIN_RESOLUTION_MS) balancing its
+/// streams over the replicas.
+async fn balances(mut client: tokio::process::Command) {
     let fake = fake().await;
     fake.apply(flag("demo", "on")).unwrap();
     let port = free_port();
@@ -97,13 +132,8 @@ async fn grpcio_round_robin_over_dns_spreads_rebalances_and_fails_over() {
     let dns = Dns::start(NAME, &[ip(2), ip(3), ip(4)]).await;
     let target = format!("dns://{}/{NAME}:{port}", dns.addr);
     let request = hex(&request(&[&demo("demo")]).encode_to_vec());
-    let mut client = tokio::process::Command::new(python())
-        .arg(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/tests/python/grpcio_dns_balance.py"
-        ))
+    let mut client = client
         .args([&target, &STREAMS.to_string(), &request, "1000"])
-        .env("GRPC_DNS_RESOLVER", "ares")
         .stdin(Stdio::piped())
         .stdout(Stdio::null())
         .kill_on_drop(true)
