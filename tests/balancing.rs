@@ -193,3 +193,87 @@ async fn balances(mut client: tokio::process::Command) {
 fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_python_flagd_provider_on_a_dns_host_keeps_evaluating_through_ages_and_a_lost_replica()
+{
+    use tokio::io::{AsyncBufReadExt, BufReader};
+    let fake = fake().await;
+    let demo: serde_json::Value = serde_yaml::from_str(
+        &std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/examples/manifests/demo.yaml"
+        ))
+        .unwrap(),
+    )
+    .unwrap();
+    fake.apply(demo).unwrap();
+    let port = free_port();
+    let age = Duration::from_secs(2);
+    let mut replicas = Vec::new();
+    for last in [2, 3] {
+        replicas.push(replica(&fake, ip(last), port, age).await);
+    }
+    let dns = Dns::start(NAME, &[ip(2), ip(3)]).await;
+    let mut child = tokio::process::Command::new(python())
+        .arg(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/python/flagd_dns_check.py"
+        ))
+        .arg("20")
+        .env("FLAGD_RESOLVER", "in-process")
+        .env("FLAGD_HOST", format!("dns://{}/{NAME}", dns.addr))
+        .env("FLAGD_SYNC_PORT", port.to_string())
+        .env("FLAGD_SOURCE_SELECTOR", "core.openfeature.dev/default/demo")
+        .env("GRPC_DNS_RESOLVER", "ares")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let ready = tokio::time::timeout(Duration::from_secs(40), lines.next_line())
+        .await
+        .expect("the provider becomes ready")
+        .unwrap();
+    assert_eq!(ready.as_deref(), Some("READY"));
+    let ready = Instant::now();
+    // Two ages pass; then the replica it is on dies (and leaves DNS); then the flag changes.
+    tokio::time::sleep(age * 2).await;
+    settle("the provider's stream is on a replica", || {
+        replicas.iter().map(streams).sum::<usize>() == 1
+    })
+    .await;
+    let serving: Vec<usize> = replicas.iter().map(streams).collect();
+    let on = serving.iter().position(|&n| n > 0).unwrap();
+    let survivor = ip(if on == 0 { 3 } else { 2 });
+    dns.set(&[survivor]);
+    replicas.remove(on).shutdown.cancel();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    fake.merge_patch(
+        GV,
+        "featureflags",
+        "default",
+        "demo",
+        serde_json::json!({ "spec": { "flagSpec": { "flags": { "new-checkout": { "defaultVariant": "on" } } } } }),
+    )
+    .unwrap();
+    let changed_at = ready.elapsed().as_secs_f64();
+    let summary = tokio::time::timeout(Duration::from_secs(40), async {
+        let mut last = None;
+        while let Ok(Some(line)) = lines.next_line().await {
+            last = Some(line);
+        }
+        last
+    })
+    .await
+    .expect("the check ends")
+    .expect("a summary");
+    let summary: serde_json::Value = serde_json::from_str(&summary).unwrap();
+    println!(
+        "the provider on a dns host: {summary}; the change was made {changed_at:.2} s after READY (streams per replica before the loss: {serving:?})"
+    );
+    assert_eq!(summary["errors"], 0, "{summary}");
+    assert_eq!(summary["saw_the_change"], true, "{summary}");
+    assert!(summary["evaluations"].as_u64().unwrap() > 100, "{summary}");
+}
