@@ -23,19 +23,7 @@ const NAME: &str = "broker.test";
 const STREAMS: usize = 30;
 
 fn python() -> PathBuf {
-    let python = std::env::var_os("CRD_BROKER_PYTHON")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(".venv/bin/python"));
-    let ready = std::process::Command::new(&python)
-        .args(["-c", "import grpc"])
-        .output()
-        .is_ok_and(|o| o.status.success());
-    assert!(
-        ready,
-        "{} cannot import grpc: run the README's test command (scripts/test), which makes the virtualenv",
-        python.display()
-    );
-    python
+    python_with("grpc")
 }
 
 fn ip(last: u8) -> Ipv4Addr {
@@ -199,15 +187,7 @@ async fn the_python_flagd_provider_on_a_dns_host_keeps_evaluating_through_ages_a
 {
     use tokio::io::{AsyncBufReadExt, BufReader};
     let fake = fake().await;
-    let demo: serde_json::Value = serde_yaml::from_str(
-        &std::fs::read_to_string(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/examples/manifests/demo.yaml"
-        ))
-        .unwrap(),
-    )
-    .unwrap();
-    fake.apply(demo).unwrap();
+    fake.apply(demo_manifest()).unwrap();
     let port = free_port();
     let age = Duration::from_secs(2);
     let mut replicas = Vec::new();

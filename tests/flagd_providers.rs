@@ -14,28 +14,7 @@ use support::*;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 
 fn python() -> PathBuf {
-    let python = std::env::var_os("CRD_BROKER_PYTHON")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(".venv/bin/python"));
-    let ready = std::process::Command::new(&python)
-        .args(["-c", "import openfeature.contrib.provider.flagd"])
-        .output()
-        .is_ok_and(|o| o.status.success());
-    assert!(
-        ready,
-        "{} cannot import the OpenFeature flagd provider: run the README's test command (scripts/test), which makes the virtualenv",
-        python.display()
-    );
-    python
-}
-
-fn demo_manifest() -> Value {
-    let text = std::fs::read_to_string(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/examples/manifests/demo.yaml"
-    ))
-    .unwrap();
-    serde_yaml::from_str(&text).unwrap()
+    python_with("openfeature.contrib.provider.flagd")
 }
 
 #[tokio::test]

@@ -591,3 +591,32 @@ pub fn free_port() -> u16 {
         }
     }
 }
+
+/// The virtualenv's Python (`$CRD_BROKER_PYTHON`, else `.venv`), once it can import `module`.
+pub fn python_with(module: &str) -> std::path::PathBuf {
+    let python = std::env::var_os("CRD_BROKER_PYTHON")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| {
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(".venv/bin/python")
+        });
+    let ready = std::process::Command::new(&python)
+        .args(["-c", &format!("import {module}")])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    assert!(
+        ready,
+        "{} cannot import {module}: run the README's test command (scripts/test), which makes the virtualenv",
+        python.display()
+    );
+    python
+}
+
+/// examples/manifests/demo.yaml: the FeatureFlag `default/demo` with two flags.
+pub fn demo_manifest() -> Value {
+    let text = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/examples/manifests/demo.yaml"
+    ))
+    .unwrap();
+    serde_yaml::from_str(&text).unwrap()
+}
