@@ -113,7 +113,7 @@ pub async fn connection_from(addr: SocketAddr, local: Ipv4Addr) -> anyhow::Resul
 }
 
 /// A Subscribe request for the FeatureFlag `default/{name}`.
-fn subscribe_request(name: &str) -> pb::SubscribeRequest {
+pub fn subscribe_request(name: &str) -> pb::SubscribeRequest {
     pb::SubscribeRequest {
         resources: vec![pb::ResourceRef {
             group: "core.openfeature.dev".into(),

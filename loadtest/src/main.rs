@@ -46,8 +46,8 @@ enum Command {
 pub struct Run {
     /// Scenarios: `fanout` (a: many subscribers on many CRs), `hot` (b: one hot CR), `storm`
     /// (c: a reconnect storm on a cold broker), `churn` (d: subscribers come and go), `idle`
-    /// (memory of idle one-stream sidecars), `identity` (the cost of `--identity peer-pod`), or
-    /// `all`.
+    /// (memory of idle one-stream sidecars), `identity` (the cost of `--identity peer-pod`),
+    /// `stalled` (readers that never read, under large updates), or `all`.
     #[arg(long, value_delimiter = ',', default_value = "all")]
     pub scenario: Vec<String>,
     /// A tiny configuration of every scenario (a few seconds), for CI.
@@ -80,6 +80,15 @@ pub struct Run {
     /// Pods (distinct source addresses, 127.1.0.1 …) the identity scenario's sidecars run in.
     #[arg(long, default_value_t = 1_000)]
     pub pod_ips: usize,
+    /// Streams that never read in the stalled-readers scenario.
+    #[arg(long, default_value_t = 200)]
+    pub stalled_readers: usize,
+    /// Updates written in the stalled-readers scenario (50 ms apart).
+    #[arg(long, default_value_t = 20)]
+    pub stalled_updates: u64,
+    /// Size of each update in the stalled-readers scenario, in bytes.
+    #[arg(long, default_value_t = 256 * 1024)]
+    pub stalled_update_bytes: usize,
     /// Loopback source addresses to spread connections over (127.0.0.1 ..= 127.0.0.N).
     #[arg(long, default_value_t = 8)]
     pub sources: u8,
@@ -106,6 +115,8 @@ impl Run {
         self.churn_subscribers = 30;
         self.sidecars = 50;
         self.pod_ips = 5;
+        self.stalled_readers = 10;
+        self.stalled_update_bytes = 64 * 1024;
         self.sources = 2;
         self
     }

@@ -8,7 +8,7 @@ use anyhow::Context;
 use serde::Serialize;
 
 use crate::Run;
-use crate::scenarios::{Churn, Fanout, Identity, Idle, Storm};
+use crate::scenarios::{Churn, Fanout, Identity, Idle, Stalled, Storm};
 
 /// The machine the run was on.
 #[derive(Debug, Clone, Serialize)]
@@ -93,6 +93,8 @@ pub struct Results {
     pub idle: Option<Idle>,
     /// The cost of caller identity.
     pub identity: Option<Identity>,
+    /// Readers that never read.
+    pub stalled: Option<Stalled>,
     /// Broker ÷ bare.
     pub ratios: Ratios,
 }
@@ -131,6 +133,7 @@ impl Results {
             churn: None,
             idle: None,
             identity: None,
+            stalled: None,
             ratios: Ratios::default(),
         }
     }
@@ -342,6 +345,28 @@ pub fn markdown(r: &Results) -> String {
     }
     if let Some(i) = &r.identity {
         s += &identity_section(i, &r.ratios);
+    }
+    if let Some(t) = &r.stalled {
+        s += &format!(
+            "### Readers that never read
+
+{} streams took their first message and never read again; {} updates of {} were written.
+
+| | |
+|---|---|
+| memory before → after | {} → {} |
+| per stalled stream | {} |
+| a reader on the same CR got the last update | {} |
+
+",
+            t.readers,
+            t.updates,
+            kib(t.update_bytes as f64),
+            mib(t.rss_before_bytes),
+            mib(t.rss_after_bytes),
+            kib(t.bytes_per_stalled_stream),
+            t.reader_got_the_last
+        );
     }
     s
 }

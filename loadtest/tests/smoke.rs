@@ -91,6 +91,12 @@ fn the_smoke_configuration_runs_every_scenario_and_loses_nothing() {
         assert_eq!(identity[broker]["first_new_connection"]["count"], 200);
     }
     assert!(identity["pod_lookups"].as_u64().unwrap() >= 1, "{identity}");
+    let stalled = &results["stalled"];
+    assert_eq!(stalled["readers"], 10, "{stalled}");
+    assert_eq!(
+        stalled["reader_got_the_last"], true,
+        "readers that never read delay nobody: {stalled}"
+    );
     let cost = &identity["cost"];
     assert_eq!(cost["errors"], 0, "{cost}");
     for phase in ["by_pod", "interleaved"] {

@@ -356,6 +356,7 @@ impl Serve {
                 max_concurrent_streams: self.max_concurrent_streams,
                 shutdown_grace: self.shutdown_grace,
                 max_request_bytes: self.max_request_bytes,
+                stream_send_buffer: transport::DEFAULT_STREAM_SEND_BUFFER,
             },
             max_watches: self.max_watches,
             access: access::Settings {
