@@ -61,15 +61,7 @@ fn streams(r: &Running<Kubernetes>) -> usize {
 }
 
 async fn settle(what: &str, mut done: impl FnMut() -> bool) -> Duration {
-    let start = Instant::now();
-    let ok = tokio::time::timeout(Duration::from_secs(30), async {
-        while !done() {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    })
-    .await;
-    assert!(ok.is_ok(), "{what}");
-    start.elapsed()
+    eventually(what, Duration::from_secs(30), async || done()).await
 }
 
 fn node_client() -> tokio::process::Command {

@@ -114,6 +114,18 @@ async fn polled(dir: &Path, poll: Duration) -> Running<Manifests> {
     Running::start_with(listeners, source, config).unwrap()
 }
 
+/// Why the file (or link) `name` in the broker's directory is not served; empty if it is.
+fn problem(broker: &Running<Manifests>, name: &str) -> String {
+    broker
+        .registry
+        .source()
+        .problems()
+        .into_iter()
+        .find(|(p, _)| p.ends_with(name))
+        .map(|(_, why)| why)
+        .unwrap_or_default()
+}
+
 /// Nothing arrives on `s` for `long`.
 async fn quiet(s: &mut tonic::Streaming<crd_broker::pb::SubscribeResponse>, long: Duration) {
     if let Ok(m) = tokio::time::timeout(long, s.message()).await {
@@ -245,22 +257,10 @@ async fn links_are_followed_inside_the_directory_once_and_never_out_of_it() {
         Event::Absent,
         "nothing from outside the directory"
     );
-    let problems = opened.registry.source().problems();
-    let named = |name: &str| {
-        problems
-            .iter()
-            .find(|(p, _)| p.ends_with(name))
-            .map(|(_, why)| why.clone())
-            .unwrap_or_default()
-    };
-    assert!(
-        named("secret.yaml").contains("outside the directory"),
-        "{problems:?}"
-    );
-    assert!(
-        named("out").contains("outside the directory"),
-        "{problems:?}"
-    );
+    for name in ["secret.yaml", "out"] {
+        let why = problem(&opened, name);
+        assert!(why.contains("outside the directory"), "{name}: {why:?}");
+    }
 }
 
 #[tokio::test]
@@ -291,20 +291,14 @@ async fn files_over_the_size_or_nesting_limits_are_refused_with_the_reason() {
     firsts.sort_by_key(|r| r.index);
     assert_eq!(firsts[0].event(), Event::Snapshot);
     assert_eq!(firsts[1].event(), Event::Absent);
-    let problems = broker.registry.source().problems();
-    let why = |name: &str| {
-        problems
-            .iter()
-            .find(|(p, _)| p.ends_with(name))
-            .map(|(_, w)| w.clone())
-            .unwrap_or_default()
-    };
+    let why = problem(&broker, "huge.yaml");
     assert!(
-        why("huge.yaml").contains(&format!("at most {MAX_FILE_BYTES} bytes")),
-        "{problems:?}"
+        why.contains(&format!("at most {MAX_FILE_BYTES} bytes")),
+        "{why:?}"
     );
     assert!(
-        why("deep.yaml").contains(&format!("nested more than {MAX_NESTING} levels")),
-        "{problems:?}"
+        problem(&broker, "deep.yaml").contains(&format!("nested more than {MAX_NESTING} levels")),
+        "{:?}",
+        broker.registry.source().problems()
     );
 }

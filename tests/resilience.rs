@@ -36,14 +36,8 @@ async fn steady_broker(
     Running::start_with(listeners, source, config).expect("the broker starts")
 }
 
-async fn wait_for(what: &str, mut done: impl AsyncFnMut() -> bool) {
-    let ok = tokio::time::timeout(WAIT, async {
-        while !done().await {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    })
-    .await;
-    assert!(ok.is_ok(), "{what}");
+async fn wait_for(what: &str, done: impl AsyncFnMut() -> bool) {
+    eventually(what, WAIT, done).await;
 }
 
 fn patch(fake: &FakeApiServer, name: &str, variant: &str) {

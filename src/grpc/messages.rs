@@ -173,17 +173,25 @@ mod tests {
         Registry::new(Silent, Duration::from_secs(1), CancellationToken::new())
     }
 
-    #[tokio::test]
-    async fn a_cancelled_drain_ends_a_waiting_stream_with_unavailable() {
-        let registry = registry();
+    /// A stream with nothing to send, ended by `drain`.
+    fn waiting(
+        registry: &Registry<Silent>,
+        drain: &ConnDrain,
+    ) -> Messages<impl FnMut(&State) -> Next<()> + Send + Unpin + 'static> {
         let selector = "widgets.example.com/default/a".parse().unwrap();
-        let drain = ConnDrain::new(CancellationToken::new());
-        let mut stream = Messages::new(
+        Messages::new(
             registry.subscribe(&selector),
             End::new(drain.clone(), None),
             tracing::Span::none(),
             |_: &State| Next::<()>::Wait,
-        );
+        )
+    }
+
+    #[tokio::test]
+    async fn a_cancelled_drain_ends_a_waiting_stream_with_unavailable() {
+        let registry = registry();
+        let drain = ConnDrain::new(CancellationToken::new());
+        let mut stream = waiting(&registry, &drain);
         let waiting = tokio::time::timeout(Duration::from_millis(50), stream.next()).await;
         assert!(waiting.is_err(), "nothing to send yet");
         drain.token().cancel();
@@ -199,14 +207,8 @@ mod tests {
     #[tokio::test]
     async fn a_stream_drained_at_the_maximum_age_says_so() {
         let registry = registry();
-        let selector = "widgets.example.com/default/a".parse().unwrap();
         let drain = ConnDrain::new(CancellationToken::new());
-        let mut stream = Messages::new(
-            registry.subscribe(&selector),
-            End::new(drain.clone(), None),
-            tracing::Span::none(),
-            |_: &State| Next::<()>::Wait,
-        );
+        let mut stream = waiting(&registry, &drain);
         drain.age();
         let status = stream.next().await.unwrap().expect_err("an error");
         assert_eq!(status.code(), tonic::Code::Unavailable);

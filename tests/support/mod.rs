@@ -620,3 +620,20 @@ pub fn demo_manifest() -> Value {
     .unwrap();
     serde_yaml::from_str(&text).unwrap()
 }
+
+/// Polls `done` every 50 ms until it holds, failing with `what` after `within`: how long it took.
+pub async fn eventually(
+    what: &str,
+    within: Duration,
+    mut done: impl AsyncFnMut() -> bool,
+) -> Duration {
+    let start = std::time::Instant::now();
+    let ok = tokio::time::timeout(within, async {
+        while !done().await {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    assert!(ok.is_ok(), "{what}");
+    start.elapsed()
+}
