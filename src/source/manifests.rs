@@ -19,8 +19,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
+use bytes::Bytes;
 use futures::StreamExt;
 use futures::stream::{self, BoxStream};
+use serde_json::value::RawValue;
 use serde_json::{Value, json};
 use tokio::sync::watch;
 
@@ -38,11 +40,104 @@ struct ManifestKind {
 /// `(group, plural, namespace, name)`; the namespace is empty for cluster-scoped objects.
 type Key = (String, String, String, String);
 
-/// One object as loaded: what the file says, and the object as served.
-#[derive(Debug, Clone)]
+/// A SHA-256 digest.
+type Digest = [u8; 32];
+
+/// One document of a file as it is kept: compact JSON, and what the catalog reads out of it.
+/// The tree it was parsed into is not kept; that cost about 16 times the file's size.
+#[derive(Debug)]
+struct Doc {
+    json: Bytes,
+    /// Of `json`: a rewrite that changes nothing moves no resourceVersion.
+    digest: Digest,
+    /// Of everything but `metadata` and `status`: what moves `generation`.
+    spec: Digest,
+    api_version: Option<String>,
+    kind: Option<String>,
+    name: Option<String>,
+    namespace: Option<String>,
+    /// For a CRD: the kind it defines, `None` if the CRD is incomplete.
+    crd: Option<Option<ManifestKind>>,
+}
+
+/// A document's top-level fields, each as its JSON text.
+type Fields<'a> = BTreeMap<String, &'a RawValue>;
+
+impl Doc {
+    /// Reads a document's fields out of its compact JSON.
+    fn new(json: Vec<u8>) -> Result<Doc, String> {
+        let fields: Fields =
+            serde_json::from_slice(&json).map_err(|_| "a document is not a mapping".to_string())?;
+        let text = |field: &str| {
+            fields
+                .get(field)
+                .and_then(|raw| serde_json::from_str::<String>(raw.get()).ok())
+        };
+        let meta: Value = fields
+            .get("metadata")
+            .and_then(|raw| serde_json::from_str(raw.get()).ok())
+            .unwrap_or_default();
+        let meta_text = |field: &str| meta[field].as_str().map(str::to_string);
+        let mut spec = ring::digest::Context::new(&ring::digest::SHA256);
+        for (field, raw) in fields
+            .iter()
+            .filter(|(f, _)| *f != "metadata" && *f != "status")
+        {
+            for part in [field.as_bytes(), b"\0", raw.get().as_bytes(), b"\0"] {
+                spec.update(part);
+            }
+        }
+        let api_version = text("apiVersion");
+        let kind = text("kind");
+        let is_crd = kind.as_deref() == Some("CustomResourceDefinition")
+            && api_version
+                .as_deref()
+                .is_some_and(|v| v.starts_with("apiextensions.k8s.io/"));
+        let crd = is_crd.then(|| {
+            serde_json::from_slice::<Value>(&json)
+                .ok()
+                .and_then(|v| crd_kind(&v))
+        });
+        Ok(Doc {
+            digest: sha256(&json),
+            spec: digest_of(spec),
+            api_version,
+            kind,
+            name: meta_text("name"),
+            namespace: meta_text("namespace"),
+            crd,
+            json: Bytes::from(json),
+        })
+    }
+}
+
+fn sha256(bytes: &[u8]) -> Digest {
+    let mut context = ring::digest::Context::new(&ring::digest::SHA256);
+    context.update(bytes);
+    digest_of(context)
+}
+
+fn digest_of(context: ring::digest::Context) -> Digest {
+    context.finish().as_ref().try_into().unwrap_or([0; 32])
+}
+
+/// `json` (an object) with its top-level `field` set to `value`.
+fn with_field(json: &[u8], field: &str, value: &Value) -> Result<Vec<u8>, String> {
+    let mut fields: Fields = serde_json::from_slice(json).map_err(|e| e.to_string())?;
+    let value = serde_json::value::to_raw_value(value).map_err(|e| e.to_string())?;
+    fields.insert(field.to_string(), &value);
+    serde_json::to_vec(&fields).map_err(|e| e.to_string())
+}
+
+/// One object as served, with what its next version keeps.
+#[derive(Debug)]
 struct Stored {
-    written: Arc<Value>,
-    served: Value,
+    /// The digests of the document it was served from.
+    digest: Digest,
+    spec: Digest,
+    api_version: String,
+    created: String,
+    generation: i64,
     object: Object,
 }
 
@@ -72,13 +167,17 @@ impl Catalog {
         };
         let version = selector.kind.version.as_deref().unwrap_or_default();
         let api_version = format!("{}/{version}", selector.kind.group);
-        if stored.served["apiVersion"].as_str() == Some(api_version.as_str()) {
+        if stored.api_version == api_version {
             return Observed::Present(stored.object.clone());
         }
         // Another served version: the same object under that apiVersion (no conversion).
-        let mut at_version = stored.served.clone();
-        at_version["apiVersion"] = json!(api_version);
-        Observed::Present(Object::from_value(&at_version))
+        match with_field(&stored.object.json, "apiVersion", &json!(api_version)) {
+            Ok(json) => Observed::Present(Object {
+                json: Bytes::from(json),
+                ..stored.object.clone()
+            }),
+            Err(_) => Observed::Present(stored.object.clone()),
+        }
     }
 }
 
@@ -235,7 +334,7 @@ impl Stamp {
 /// A file's documents as last taken.
 struct Taken {
     stamp: Stamp,
-    docs: Vec<Arc<Value>>,
+    docs: Vec<Arc<Doc>>,
 }
 
 /// The manifest files one poll found.
@@ -474,23 +573,22 @@ impl Loader {
     fn rebuild(&mut self) -> Option<Arc<Catalog>> {
         let mut paths: Vec<&PathBuf> = self.taken.keys().collect();
         paths.sort();
-        let docs: Vec<(&Path, &Arc<Value>)> = paths
+        let docs: Vec<(&Path, &Arc<Doc>)> = paths
             .iter()
             .flat_map(|p| self.taken[*p].docs.iter().map(move |d| (p.as_path(), d)))
             .collect();
         let kinds: Vec<ManifestKind> = docs
             .iter()
-            .filter(|(_, d)| is_crd(d))
             .filter_map(|(path, d)| {
-                let kind = crd_kind(d);
+                let kind = d.crd.clone()?;
                 if kind.is_none() {
                     tracing::warn!(file = %path.display(), "skipping a CRD without group, names, scope or served versions");
                 }
                 kind
             })
             .collect();
-        let mut written: BTreeMap<Key, &Arc<Value>> = BTreeMap::new();
-        for (path, doc) in docs.iter().filter(|(_, d)| !is_crd(d)) {
+        let mut written: BTreeMap<Key, &Arc<Doc>> = BTreeMap::new();
+        for (path, doc) in docs.iter().filter(|(_, d)| d.crd.is_none()) {
             match key_of(&kinds, doc) {
                 Ok(key) => {
                     if written.insert(key.clone(), *doc).is_some() {
@@ -505,12 +603,20 @@ impl Loader {
         // Sorted, so resourceVersions are handed out in a stable order.
         for (key, doc) in written {
             let stored = match self.objects.get(&key) {
-                Some(old) if Arc::ptr_eq(&old.written, doc) || *old.written == **doc => old.clone(),
+                Some(old) if old.digest == doc.digest => old.clone(),
                 old => {
-                    moved = true;
                     let rv = self.next_rv;
-                    self.next_rv += 1;
-                    Arc::new(serve(&key, doc.clone(), rv, old.map(|o| &**o)))
+                    match serve(&key, doc, rv, old.map(|o| &**o)) {
+                        Ok(stored) => {
+                            moved = true;
+                            self.next_rv += 1;
+                            Arc::new(stored)
+                        }
+                        Err(why) => {
+                            tracing::warn!(object = ?key, "cannot serve: {why}");
+                            continue;
+                        }
+                    }
                 }
             };
             objects.insert(key, stored);
@@ -523,49 +629,52 @@ impl Loader {
     }
 }
 
-/// The object as an API server would serve it: the server's metadata added.
-fn serve(key: &Key, doc: Arc<Value>, rv: u64, old: Option<&Stored>) -> Stored {
-    let mut served = (*doc).clone();
-    let old_meta = old.map(|o| &o.served["metadata"]);
-    let keep = |field: &str, fresh: Value| {
-        old_meta
-            .and_then(|m| m.get(field).cloned())
-            .unwrap_or(fresh)
-    };
+/// The object as an API server would serve it: the server's metadata added, and the uid,
+/// creation time and (unless the spec changed) generation of the `old` one kept.
+fn serve(key: &Key, doc: &Doc, rv: u64, old: Option<&Stored>) -> Result<Stored, String> {
+    let fields: Fields = serde_json::from_slice(&doc.json).map_err(|e| e.to_string())?;
+    let mut meta: Value = fields
+        .get("metadata")
+        .and_then(|raw| serde_json::from_str(raw.get()).ok())
+        .unwrap_or_else(|| json!({}));
     let generation = match old {
-        Some(o) if spec_of(&o.written) == spec_of(&doc) => keep("generation", json!(1)),
-        Some(o) => json!(o.served["metadata"]["generation"].as_i64().unwrap_or(0) + 1),
-        None => json!(1),
+        Some(o) if o.spec == doc.spec => o.generation,
+        Some(o) => o.generation + 1,
+        None => 1,
     };
-    let meta = &mut served["metadata"];
-    meta["uid"] = keep("uid", json!(uuid::Uuid::new_v4().to_string()));
-    meta["creationTimestamp"] = keep(
-        "creationTimestamp",
-        json!(humantime::format_rfc3339_seconds(SystemTime::now()).to_string()),
+    let uid = old.map_or_else(
+        || uuid::Uuid::new_v4().to_string(),
+        |o| o.object.uid.clone(),
     );
+    let created = old.map_or_else(
+        || humantime::format_rfc3339_seconds(SystemTime::now()).to_string(),
+        |o| o.created.clone(),
+    );
+    meta["uid"] = json!(uid);
+    meta["creationTimestamp"] = json!(created);
     meta["resourceVersion"] = json!(rv.to_string());
-    meta["generation"] = generation;
+    meta["generation"] = json!(generation);
     if !key.2.is_empty() {
         meta["namespace"] = json!(key.2);
     }
-    Stored {
-        object: Object::from_value(&served),
-        written: doc,
-        served,
-    }
+    let json = with_field(&doc.json, "metadata", &meta)?;
+    Ok(Stored {
+        digest: doc.digest,
+        spec: doc.spec,
+        api_version: doc.api_version.clone().unwrap_or_default(),
+        created,
+        generation,
+        object: Object {
+            json: Bytes::from(json),
+            uid,
+            resource_version: rv.to_string(),
+        },
+    })
 }
 
-fn spec_of(v: &Value) -> Value {
-    let mut v = v.clone();
-    if let Some(o) = v.as_object_mut() {
-        o.remove("metadata");
-        o.remove("status");
-    }
-    v
-}
-
-/// A file's documents, within the size and nesting limits.
-fn read_docs(path: &Path, len: u64) -> Result<Vec<Arc<Value>>, String> {
+/// A file's documents, within the size and nesting limits. Each document is carried straight
+/// from the parser into compact JSON, with no tree in between.
+fn read_docs(path: &Path, len: u64) -> Result<Vec<Arc<Doc>>, String> {
     let too_large =
         |len: u64| format!("{len} bytes: a manifest file may have at most {MAX_FILE_BYTES} bytes");
     if len > MAX_FILE_BYTES {
@@ -582,34 +691,45 @@ fn read_docs(path: &Path, len: u64) -> Result<Vec<Arc<Value>>, String> {
         ));
     }
     if json {
-        let value: Value = serde_json::from_str(&text).map_err(|e| e.to_string())?;
-        return documents([value]);
+        let mut parser = serde_json::Deserializer::from_str(&text);
+        let doc = compact(&mut parser)?;
+        parser.end().map_err(|e| e.to_string())?;
+        return documents([doc]);
     }
-    let mut values = Vec::new();
-    for doc in serde_yaml::Deserializer::from_str(&text) {
-        values.push(serde::Deserialize::deserialize(doc).map_err(|e| e.to_string())?);
-    }
-    documents(values)
+    let docs: Result<Vec<_>, _> = serde_yaml::Deserializer::from_str(&text)
+        .map(compact)
+        .collect();
+    documents(docs?)
+}
+
+/// A document as compact JSON.
+fn compact<'de>(document: impl serde::Deserializer<'de>) -> Result<Vec<u8>, String> {
+    let mut json = Vec::new();
+    serde_transcode::transcode(document, &mut serde_json::Serializer::new(&mut json))
+        .map_err(|e| e.to_string())?;
+    Ok(json)
 }
 
 /// The objects of a file's documents: `List`s unpacked, empty documents skipped.
-fn documents(values: impl IntoIterator<Item = Value>) -> Result<Vec<Arc<Value>>, String> {
+fn documents(values: impl IntoIterator<Item = Vec<u8>>) -> Result<Vec<Arc<Doc>>, String> {
     let mut docs = Vec::new();
-    for value in values {
-        match value {
-            Value::Null => {}
-            Value::Object(ref o) if o.get("kind").and_then(Value::as_str) == Some("List") => {
-                docs.extend(
-                    o.get("items")
-                        .and_then(Value::as_array)
-                        .into_iter()
-                        .flatten()
-                        .cloned()
-                        .map(Arc::new),
-                );
-            }
-            Value::Object(_) => docs.push(Arc::new(value)),
-            _ => return Err("a document is not a mapping".to_string()),
+    for json in values {
+        if json == b"null" {
+            continue;
+        }
+        let doc = Doc::new(json)?;
+        if doc.kind.as_deref() != Some("List") {
+            docs.push(Arc::new(doc));
+            continue;
+        }
+        let fields: Fields = serde_json::from_slice(&doc.json).map_err(|e| e.to_string())?;
+        let items: Vec<&RawValue> = match fields.get("items") {
+            Some(raw) => serde_json::from_str(raw.get())
+                .map_err(|_| "a List's items are not a sequence".to_string())?,
+            None => Vec::new(),
+        };
+        for item in items {
+            docs.push(Arc::new(Doc::new(item.get().as_bytes().to_vec())?));
         }
     }
     Ok(docs)
@@ -659,13 +779,6 @@ fn too_deep(text: &str, max: usize, json: bool) -> Option<usize> {
         }
     }
     None
-}
-
-fn is_crd(doc: &Value) -> bool {
-    doc["kind"] == "CustomResourceDefinition"
-        && doc["apiVersion"]
-            .as_str()
-            .is_some_and(|v| v.starts_with("apiextensions.k8s.io/"))
 }
 
 fn crd_kind(crd: &Value) -> Option<ManifestKind> {
@@ -732,9 +845,9 @@ fn version_priority(v: &str) -> (u8, std::cmp::Reverse<u64>, std::cmp::Reverse<u
 }
 
 /// Where a custom resource document goes, or why it cannot be served.
-fn key_of(kinds: &[ManifestKind], doc: &Value) -> Result<Key, String> {
-    let api_version = doc["apiVersion"].as_str().ok_or("no apiVersion")?;
-    let kind = doc["kind"].as_str().ok_or("no kind")?;
+fn key_of(kinds: &[ManifestKind], doc: &Doc) -> Result<Key, String> {
+    let api_version = doc.api_version.as_deref().ok_or("no apiVersion")?;
+    let kind = doc.kind.as_deref().ok_or("no kind")?;
     let (group, version) = api_version
         .split_once('/')
         .ok_or_else(|| format!("{kind} {api_version} is not a custom resource (no group)"))?;
@@ -745,12 +858,13 @@ fn key_of(kinds: &[ManifestKind], doc: &Value) -> Result<Key, String> {
     if !found.versions.iter().any(|v| v == version) {
         return Err(format!("{kind} is not served at {api_version}"));
     }
-    let name = doc["metadata"]["name"]
-        .as_str()
+    let name = doc
+        .name
+        .as_deref()
         .filter(|n| crate::selector::is_dns_subdomain(n))
         .ok_or_else(|| format!("{kind} has no valid metadata.name"))?;
     let namespace = if found.names.namespaced {
-        doc["metadata"]["namespace"].as_str().unwrap_or("default")
+        doc.namespace.as_deref().unwrap_or("default")
     } else {
         ""
     };
@@ -776,6 +890,10 @@ mod tests {
         format!(
             "apiVersion: core.openfeature.dev/v1beta1\nkind: FeatureFlag\nmetadata:\n  name: {name}\nspec:\n  flagSpec:\n    flags:\n      f:\n        state: ENABLED\n        variants: {{a: true, b: false}}\n        defaultVariant: {variant}\n"
         )
+    }
+
+    fn served(stored: &Stored) -> Value {
+        serde_json::from_slice(&stored.object.json).unwrap()
     }
 
     fn loader(dir: &Path) -> Loader {
@@ -805,8 +923,8 @@ mod tests {
         let catalog = loader.scan(true).expect("a first catalog");
         assert_eq!(catalog.kinds.len(), 1);
         let a = &catalog.objects[&key("a")];
-        assert_eq!(a.served["metadata"]["namespace"], "default");
-        assert_eq!(a.served["metadata"]["generation"], 1);
+        assert_eq!(served(a)["metadata"]["namespace"], "default");
+        assert_eq!(served(a)["metadata"]["generation"], 1);
         assert!(!a.object.uid.is_empty());
         assert!(settle(&mut loader).is_none(), "nothing changed");
     }
@@ -828,13 +946,42 @@ mod tests {
         let second = &catalog.objects[&key("a")];
         assert_eq!(second.object.uid, first.uid);
         assert_ne!(second.object.resource_version, first.resource_version);
-        assert_eq!(second.served["metadata"]["generation"], 2);
+        assert_eq!(served(second)["metadata"]["generation"], 2);
         std::fs::remove_file(dir.path().join("a.yaml")).unwrap();
         assert!(
             settle(&mut loader)
                 .expect("the delete is seen")
                 .objects
                 .is_empty()
+        );
+    }
+
+    #[test]
+    fn documents_are_kept_as_compact_json_with_aliases_resolved_and_lists_unpacked() {
+        let dir = tempfile::tempdir().unwrap();
+        let yaml = "---\nkind: List\napiVersion: v1\nitems:\n- {apiVersion: a/v1, kind: K, metadata: {name: x}, spec: &s {n: 1}}\n- {apiVersion: a/v1, kind: K, metadata: {name: y}, spec: *s}\n---\n# empty\n";
+        write(dir.path(), "list.yaml", yaml);
+        let docs = read_docs(&dir.path().join("list.yaml"), yaml.len() as u64).unwrap();
+        assert_eq!(docs.len(), 2);
+        assert_eq!(
+            &docs[1].json[..],
+            br#"{"apiVersion":"a/v1","kind":"K","metadata":{"name":"y"},"spec":{"n":1}}"#
+        );
+        assert_eq!(docs[0].spec, docs[1].spec, "the same spec");
+        assert_ne!(docs[0].digest, docs[1].digest, "different objects");
+        let json = "{\n  \"apiVersion\": \"a/v1\",\n  \"kind\": \"K\",\n  \"metadata\": {\"name\": \"x\"}\n}\n";
+        write(dir.path(), "x.json", json);
+        let docs = read_docs(&dir.path().join("x.json"), json.len() as u64).unwrap();
+        assert_eq!(
+            &docs[0].json[..],
+            br#"{"apiVersion":"a/v1","kind":"K","metadata":{"name":"x"}}"#
+        );
+        write(dir.path(), "two.json", "{} {}");
+        assert!(read_docs(&dir.path().join("two.json"), 5).is_err());
+        write(dir.path(), "scalar.yaml", "just text\n");
+        assert_eq!(
+            read_docs(&dir.path().join("scalar.yaml"), 10).unwrap_err(),
+            "a document is not a mapping"
         );
     }
 
