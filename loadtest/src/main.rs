@@ -5,6 +5,7 @@
 
 mod bare;
 mod clients;
+mod failover;
 mod report;
 mod scenarios;
 mod soak;
@@ -47,7 +48,8 @@ pub struct Run {
     /// Scenarios: `fanout` (a: many subscribers on many CRs), `hot` (b: one hot CR), `storm`
     /// (c: a reconnect storm on a cold broker), `churn` (d: subscribers come and go), `idle`
     /// (memory of idle one-stream sidecars), `identity` (the cost of `--identity peer-pod`),
-    /// `stalled` (readers that never read, under large updates), or `all`.
+    /// `stalled` (readers that never read, under large updates), `failover` (replicas SIGKILLed
+    /// under load, then a restart storm on a fresh replica), or `all`.
     #[arg(long, value_delimiter = ',', default_value = "all")]
     pub scenario: Vec<String>,
     /// A tiny configuration of every scenario (a few seconds), for CI.

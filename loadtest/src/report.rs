@@ -8,6 +8,7 @@ use anyhow::Context;
 use serde::Serialize;
 
 use crate::Run;
+use crate::failover::Failover;
 use crate::scenarios::{Churn, Fanout, Identity, Idle, Stalled, Storm};
 
 /// The machine the run was on.
@@ -95,6 +96,8 @@ pub struct Results {
     pub identity: Option<Identity>,
     /// Readers that never read.
     pub stalled: Option<Stalled>,
+    /// Replicas SIGKILLed under load, and a restart storm.
+    pub failover: Option<Failover>,
     /// Broker ÷ bare.
     pub ratios: Ratios,
 }
@@ -134,6 +137,7 @@ impl Results {
             idle: None,
             identity: None,
             stalled: None,
+            failover: None,
             ratios: Ratios::default(),
         }
     }
@@ -312,6 +316,27 @@ pub fn markdown(r: &Results) -> String {
             st.watches_per_cr.1,
             st.open_watches,
             st.errors
+        );
+    }
+    if let Some(f) = &r.failover {
+        s += &format!(
+            "### Replicas SIGKILLed under load
+
+{} subscribers on {} CRs over {} replicas, every CR written in turn ({} writes in all). One replica SIGKILLed: its {} subscribers all held a state from another replica {:.2} s later, costing the API server {} LISTs and {} WATCHes (the others already watched every CR). Then every replica killed and a fresh one started: every subscriber held a state from it {:.2} s after it listened, with {}–{} LISTs and {}–{} WATCHes per CR (goal 1 and 1). Subscribers not on their CR's final resourceVersion at the end: {} (goal 0).\n\n",
+            f.subscribers,
+            f.crs,
+            f.replicas,
+            f.writes,
+            f.moved,
+            f.moved_seconds,
+            f.moved_lists,
+            f.moved_watches,
+            f.storm_seconds,
+            f.storm_lists_per_cr.0,
+            f.storm_lists_per_cr.1,
+            f.storm_watches_per_cr.0,
+            f.storm_watches_per_cr.1,
+            f.lost
         );
     }
     if let Some(c) = &r.churn {

@@ -238,7 +238,7 @@ async fn start_subscribers(
     }
 }
 
-async fn wait_until(
+pub(crate) async fn wait_until(
     what: &str,
     timeout: Duration,
     mut done: impl FnMut() -> bool,
@@ -791,24 +791,7 @@ pub async fn storm(run: &Run) -> anyhow::Result<Storm> {
     .await?;
     progress.finish_and_clear();
     let all_served = started.elapsed();
-    let requests = fake.requests();
-    let per_cr = |verb: &str| {
-        let counts: Vec<usize> = (0..run.crs)
-            .map(|k| {
-                let selector = format!("metadata.name={}", name(k));
-                requests
-                    .iter()
-                    .filter(|r| {
-                        r.verb == verb && r.param("fieldSelector") == Some(selector.as_str())
-                    })
-                    .count()
-            })
-            .collect();
-        (
-            counts.iter().copied().min().unwrap_or(0),
-            counts.iter().copied().max().unwrap_or(0),
-        )
-    };
+    let per_cr = |verb: &str| least_and_most(&requests_per_cr(&fake, run.crs, verb));
     let result = Storm {
         subscribers: n,
         crs: run.crs,
@@ -822,6 +805,29 @@ pub async fn storm(run: &Run) -> anyhow::Result<Storm> {
     trigger.stop();
     target.stop().await;
     Ok(result)
+}
+
+/// The requests of `verb` the API server saw for each of the first `crs` CRs, by the field
+/// selector that names it.
+pub(crate) fn requests_per_cr(fake: &FakeApiServer, crs: usize, verb: &str) -> Vec<usize> {
+    let requests = fake.requests();
+    (0..crs)
+        .map(|k| {
+            let selector = format!("metadata.name={}", name(k));
+            requests
+                .iter()
+                .filter(|r| r.verb == verb && r.param("fieldSelector") == Some(selector.as_str()))
+                .count()
+        })
+        .collect()
+}
+
+/// The least and the most of `counts`.
+pub(crate) fn least_and_most(counts: &[usize]) -> (usize, usize) {
+    (
+        counts.iter().copied().min().unwrap_or(0),
+        counts.iter().copied().max().unwrap_or(0),
+    )
 }
 
 /// Scenario (d): subscribers come and go while updates flow.
@@ -1188,6 +1194,13 @@ pub async fn run_all(run: Run) -> anyhow::Result<()> {
     }
     if run.wants("identity") {
         results.identity = Some(identity(&run).await.context("the identity scenario")?);
+    }
+    if run.wants("failover") {
+        results.failover = Some(
+            crate::failover::failover(&run)
+                .await
+                .context("the failover scenario")?,
+        );
     }
     if run.wants("stalled") {
         results.stalled = Some(

@@ -97,6 +97,17 @@ fn the_smoke_configuration_runs_every_scenario_and_loses_nothing() {
         stalled["reader_got_the_last"], true,
         "readers that never read delay nobody: {stalled}"
     );
+    let failover = &results["failover"];
+    assert_eq!(failover["lost"], 0, "{failover}");
+    assert!(failover["moved"].as_u64().unwrap() > 0, "{failover}");
+    assert_eq!(
+        (&failover["moved_lists"], &failover["moved_watches"]),
+        (&serde_json::json!(0), &serde_json::json!(0)),
+        "the survivors already watched every CR: {failover}"
+    );
+    for verb in ["storm_lists_per_cr", "storm_watches_per_cr"] {
+        assert_eq!(failover[verb], serde_json::json!([1, 1]), "{failover}");
+    }
     let cost = &identity["cost"];
     assert_eq!(cost["errors"], 0, "{cost}");
     for phase in ["by_pod", "interleaved"] {

@@ -1,0 +1,322 @@
+//! Scenario `failover`: replicas SIGKILLed under load. Three broker processes on one fake API
+//! server share the subscribers, which roam as clients behind a headless Service do: a stream
+//! that ends or a connection that fails moves to the next replica in the address list. One
+//! replica is killed while every CR is written: its subscribers move to the other two, which
+//! already watch every CR. Then every replica is killed and one fresh replica takes all the
+//! subscribers at once, a restart storm. At the end every subscriber must hold its CR's final
+//! resourceVersion.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use crd_broker::pb::broker_client::BrokerClient;
+use fake_apiserver::FakeApiServer;
+use serde::Serialize;
+use serde_json::json;
+use tokio::sync::RwLock;
+use tonic::transport::Channel;
+
+use crate::Run;
+use crate::clients::{self, now_nanos, tokio_util_like};
+use crate::scenarios::{GV, least_and_most, name, requests_per_cr, wait_until};
+use crate::target::Target;
+
+/// What the scenario measured.
+#[derive(Debug, Clone, Serialize)]
+pub struct Failover {
+    /// Subscribers, spread over the replicas.
+    pub subscribers: usize,
+    /// Custom resources they ask for.
+    pub crs: usize,
+    /// Replicas at the start.
+    pub replicas: usize,
+    /// Subscribers on the replica that was killed.
+    pub moved: usize,
+    /// Seconds from the kill until the last of them held a state from another replica.
+    pub moved_seconds: f64,
+    /// LISTs and WATCHes the API server saw while they moved (the survivors already watched
+    /// every CR: goal 0 and 0).
+    pub moved_lists: usize,
+    /// See `moved_lists`.
+    pub moved_watches: usize,
+    /// Seconds from the fresh replica listening until every subscriber held a state from it.
+    pub storm_seconds: f64,
+    /// LISTs per CR in the restart storm: the least and the most (goal 1 and 1).
+    pub storm_lists_per_cr: (usize, usize),
+    /// WATCHes per CR in the restart storm: the least and the most (goal 1 and 1).
+    pub storm_watches_per_cr: (usize, usize),
+    /// Writes to the CRs during the run.
+    pub writes: u64,
+    /// Subscribers not on their CR's final resourceVersion at the end (goal 0).
+    pub lost: usize,
+}
+
+/// No replica: a subscriber between streams.
+const NONE: usize = usize::MAX;
+
+/// The address list the subscribers resolve, as DNS for a headless Service would give it:
+/// each live replica's id and connections.
+type Pool = RwLock<Vec<(usize, Vec<Channel>)>>;
+
+/// What each subscriber holds: the replica its stream is on, when that stream's first message
+/// came, and the resourceVersion of the last state.
+struct Seen {
+    replica: Vec<AtomicUsize>,
+    served_at: Vec<AtomicU64>,
+    rv: Vec<AtomicU64>,
+}
+
+impl Seen {
+    fn new(n: usize) -> Self {
+        Seen {
+            replica: (0..n).map(|_| AtomicUsize::new(NONE)).collect(),
+            served_at: (0..n).map(|_| AtomicU64::new(0)).collect(),
+            rv: (0..n).map(|_| AtomicU64::new(0)).collect(),
+        }
+    }
+
+    fn on(&self, replica: usize) -> usize {
+        self.replica
+            .iter()
+            .filter(|r| r.load(Ordering::Relaxed) == replica)
+            .count()
+    }
+}
+
+/// One subscriber: subscribes on the next replica of the pool, follows the stream, and moves on
+/// when it ends.
+async fn roam(
+    pool: Arc<Pool>,
+    name: String,
+    slot: usize,
+    mut turn: usize,
+    seen: Arc<Seen>,
+    stop: tokio_util_like::Stop,
+) {
+    loop {
+        let picked = {
+            let pool = pool.read().await;
+            (!pool.is_empty()).then(|| {
+                let (id, channels) = &pool[turn % pool.len()];
+                (*id, channels[slot % channels.len()].clone())
+            })
+        };
+        turn += 1;
+        if let Some((id, channel)) = picked {
+            follow(id, channel, &name, slot, &seen, &stop).await;
+        }
+        seen.replica[slot].store(NONE, Ordering::Relaxed);
+        // A short, spread pause before the next try, as a client's backoff would have.
+        let pause = Duration::from_millis(20 + fastrand::u64(0..80));
+        tokio::select! {
+            _ = stop.wait() => return,
+            _ = tokio::time::sleep(pause) => {}
+        }
+    }
+}
+
+async fn follow(
+    id: usize,
+    channel: Channel,
+    name: &str,
+    slot: usize,
+    seen: &Seen,
+    stop: &tokio_util_like::Stop,
+) {
+    let mut client = BrokerClient::new(channel);
+    let Ok(response) = client.subscribe(clients::subscribe_request(name)).await else {
+        return;
+    };
+    let mut stream = response.into_inner();
+    let mut first = true;
+    loop {
+        let message = tokio::select! {
+            _ = stop.wait() => return,
+            m = stream.message() => m,
+        };
+        let Ok(Some(m)) = message else { return };
+        if let Ok(rv) = m.resource_version.parse() {
+            seen.rv[slot].store(rv, Ordering::Relaxed);
+        }
+        if std::mem::take(&mut first) {
+            seen.served_at[slot].store(now_nanos(), Ordering::Relaxed);
+            seen.replica[slot].store(id, Ordering::Relaxed);
+        }
+    }
+}
+
+/// Writes every CR in turn until stopped; the count of writes.
+async fn write(
+    fake: Arc<FakeApiServer>,
+    crs: usize,
+    rate: f64,
+    stop: tokio_util_like::Stop,
+) -> u64 {
+    let period = Duration::from_secs_f64(1.0 / rate.max(1.0));
+    let mut writes = 0u64;
+    loop {
+        let k = writes as usize % crs;
+        let patch = json!({ "spec": { "flagSpec": { "metadata": { "write": writes } } } });
+        if fake
+            .merge_patch(GV, "featureflags", "default", &name(k), patch)
+            .is_ok()
+        {
+            writes += 1;
+        }
+        tokio::select! {
+            _ = stop.wait() => return writes,
+            _ = tokio::time::sleep(period) => {}
+        }
+    }
+}
+
+/// Runs the scenario.
+pub async fn failover(run: &Run) -> anyhow::Result<Failover> {
+    const REPLICAS: usize = 3;
+    let (fake, dir) = crate::scenarios::fake(run.crs, run.payload_bytes).await?;
+    let fake = Arc::new(fake);
+    let bin = crate::target::broker_bin(run.broker_bin.clone())?;
+    let kubeconfig = dir.path().join("kubeconfig");
+    let linger = Duration::from_secs(30);
+    let per_replica = (run.connections / REPLICAS).max(1);
+    let mut replicas = Vec::new();
+    let mut entries = Vec::new();
+    for id in 0..REPLICAS {
+        let target = Target::broker(&bin, &kubeconfig, linger, &[]).await?;
+        entries.push((
+            id,
+            clients::connections(target.grpc, per_replica, run.sources).await?,
+        ));
+        replicas.push(target);
+    }
+    let pool = Arc::new(RwLock::new(entries));
+    let n = run.subscribers;
+    let seen = Arc::new(Seen::new(n));
+    let (trigger, stop) = tokio_util_like::signal();
+    for slot in 0..n {
+        // CR `slot % crs`, first on replica `slot / crs` (mod 3): each replica serves some
+        // subscribers of every CR.
+        let (cr, turn) = (slot % run.crs, slot / run.crs);
+        tokio::spawn(roam(
+            pool.clone(),
+            name(cr),
+            slot,
+            turn,
+            seen.clone(),
+            stop.clone(),
+        ));
+    }
+    let all_served = |on: &[usize]| {
+        let seen = seen.clone();
+        let on = on.to_vec();
+        move || {
+            seen.replica
+                .iter()
+                .all(|r| on.contains(&r.load(Ordering::Relaxed)))
+        }
+    };
+    wait_until(
+        "every subscriber served",
+        Duration::from_secs(120),
+        all_served(&[0, 1, 2]),
+    )
+    .await?;
+    let (stop_writes, writes_stop) = tokio_util_like::signal();
+    let writer = tokio::spawn(write(fake.clone(), run.crs, run.rate, writes_stop));
+    tokio::time::sleep(Duration::from_secs(1)).await;
+
+    // One replica is SIGKILLed and leaves the address list, as its endpoint would.
+    fake.clear_requests();
+    let moved = seen.on(0);
+    pool.write().await.retain(|(id, _)| *id != 0);
+    let killed_at = now_nanos();
+    replicas.remove(0).stop().await;
+    wait_until(
+        "the killed replica's subscribers on the others",
+        Duration::from_secs(60),
+        all_served(&[1, 2]),
+    )
+    .await?;
+    let moved_seconds = last_served_after(&seen, killed_at);
+    let moved_lists = requests_per_cr(&fake, run.crs, "list").iter().sum();
+    let moved_watches = requests_per_cr(&fake, run.crs, "watch").iter().sum();
+
+    // Every replica is killed; one fresh replica takes everyone at once.
+    pool.write().await.clear();
+    for target in replicas.drain(..) {
+        target.stop().await;
+    }
+    wait_until(
+        "every stream ended",
+        Duration::from_secs(60),
+        all_served(&[NONE]),
+    )
+    .await?;
+    fake.clear_requests();
+    let fresh = Target::broker(&bin, &kubeconfig, linger, &[]).await?;
+    let started = now_nanos();
+    let channels = clients::connections(fresh.grpc, run.connections, run.sources).await?;
+    pool.write().await.push((REPLICAS, channels));
+    wait_until(
+        "every subscriber on the fresh replica",
+        Duration::from_secs(120),
+        all_served(&[REPLICAS]),
+    )
+    .await?;
+    let storm_seconds = last_served_after(&seen, started);
+    stop_writes.stop();
+    let writes = writer.await.unwrap_or(0);
+    let storm_lists_per_cr = least_and_most(&requests_per_cr(&fake, run.crs, "list"));
+    let storm_watches_per_cr = least_and_most(&requests_per_cr(&fake, run.crs, "watch"));
+
+    // Every subscriber ends on its CR's final state.
+    let finals: Vec<u64> = (0..run.crs)
+        .map(|k| {
+            fake.get(GV, "featureflags", "default", &name(k))
+                .ok()
+                .and_then(|o| o["metadata"]["resourceVersion"].as_str()?.parse().ok())
+                .unwrap_or(0)
+        })
+        .collect();
+    let settled = |seen: &Seen| {
+        (0..n)
+            .filter(|&slot| seen.rv[slot].load(Ordering::Relaxed) != finals[slot % run.crs])
+            .count()
+    };
+    let _ = wait_until(
+        "every subscriber on the final state",
+        Duration::from_secs(5),
+        || settled(&seen) == 0,
+    )
+    .await;
+    let lost = settled(&seen);
+    trigger.stop();
+    fresh.stop().await;
+    Ok(Failover {
+        subscribers: n,
+        crs: run.crs,
+        replicas: REPLICAS,
+        moved,
+        moved_seconds,
+        moved_lists,
+        moved_watches,
+        storm_seconds,
+        storm_lists_per_cr,
+        storm_watches_per_cr,
+        writes,
+        lost,
+    })
+}
+
+/// Seconds from `since` (epoch nanoseconds) to the latest first message of a stream after it.
+fn last_served_after(seen: &Seen, since: u64) -> f64 {
+    let last = seen
+        .served_at
+        .iter()
+        .map(|t| t.load(Ordering::Relaxed))
+        .filter(|&t| t >= since)
+        .max()
+        .unwrap_or(since);
+    (last - since) as f64 / 1e9
+}
