@@ -703,3 +703,43 @@ async fn environment_variables_configure_serve_without_flags() {
     .await;
     assert!(stopped.is_ok(), "the watch stops within the linger");
 }
+
+#[tokio::test]
+async fn serve_speaks_http2_to_a_tls_api_server_unless_api_http2_is_off() {
+    let options = fake_apiserver::Options {
+        tls: true,
+        ..fake_apiserver::Options::default().crd_yaml(CRD).unwrap()
+    };
+    let fake = fake_apiserver::FakeApiServer::start_with(options)
+        .await
+        .unwrap();
+    fake.apply(flag("demo", "on")).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let kubeconfig = dir.path().join("kubeconfig");
+    fake.write_kubeconfig(&kubeconfig).unwrap();
+    for (env, version) in [
+        (None, "HTTP/2.0"),
+        (Some("off"), "HTTP/1.1"),
+        (Some("auto"), "HTTP/2.0"),
+    ] {
+        fake.clear_requests();
+        let env: Vec<(&str, &str)> = env
+            .map(|v| ("CRD_BROKER_API_HTTP2", v))
+            .into_iter()
+            .collect();
+        let broker = spawn(&kubeconfig, &[], &env).await;
+        let mut client = connect(broker.grpc).await;
+        let mut stream = subscribe(&mut client, &[&demo("demo")]).await;
+        assert_eq!(variant(&next(&mut stream).await), "on");
+        let requests = fake.requests();
+        assert!(
+            requests.iter().any(|r| r.verb == "list")
+                && requests.iter().all(|r| r.version == version),
+            "{env:?}: {:?}",
+            requests
+                .iter()
+                .map(|r| (&r.verb, &r.version))
+                .collect::<Vec<_>>()
+        );
+    }
+}

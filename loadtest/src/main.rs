@@ -5,6 +5,7 @@
 
 mod bare;
 mod clients;
+mod connections;
 mod failover;
 mod report;
 mod scenarios;
@@ -49,7 +50,8 @@ pub struct Run {
     /// (c: a reconnect storm on a cold broker), `churn` (d: subscribers come and go), `idle`
     /// (memory of idle one-stream sidecars), `identity` (the cost of `--identity peer-pod`),
     /// `stalled` (readers that never read, under large updates), `failover` (replicas SIGKILLed
-    /// under load, then a restart storm on a fresh replica), or `all`.
+    /// under load, then a restart storm on a fresh replica), `connections` (TCP connections to
+    /// the API server for 100, 1,000 and 5,000 CRs, HTTP/1.1 and HTTP/2), or `all`.
     #[arg(long, value_delimiter = ',', default_value = "all")]
     pub scenario: Vec<String>,
     /// A tiny configuration of every scenario (a few seconds), for CI.

@@ -8,6 +8,7 @@ use anyhow::Context;
 use serde::Serialize;
 
 use crate::Run;
+use crate::connections::Connections;
 use crate::failover::Failover;
 use crate::scenarios::{Churn, Fanout, Identity, Idle, Stalled, Storm};
 
@@ -98,6 +99,8 @@ pub struct Results {
     pub stalled: Option<Stalled>,
     /// Replicas SIGKILLed under load, and a restart storm.
     pub failover: Option<Failover>,
+    /// TCP connections to the API server, HTTP/1.1 and HTTP/2.
+    pub connections: Option<Connections>,
     /// Broker ÷ bare.
     pub ratios: Ratios,
 }
@@ -138,6 +141,7 @@ impl Results {
             identity: None,
             stalled: None,
             failover: None,
+            connections: None,
             ratios: Ratios::default(),
         }
     }
@@ -317,6 +321,16 @@ pub fn markdown(r: &Results) -> String {
             st.open_watches,
             st.errors
         );
+    }
+    if let Some(c) = &r.connections {
+        s += "### TCP connections to the API server\n\nThe fake over TLS with 100 streams per HTTP/2 connection; counted from the broker's sockets once every CR was watched.\n\n| CRs | `--api-http2` | connections | watches | all watched after |\n|---:|---|---:|---:|---:|\n";
+        for row in &c.rows {
+            s += &format!(
+                "| {} | {} | {} | {} | {:.2} s |\n",
+                row.crs, row.api_http2, row.connections, row.watches, row.seconds
+            );
+        }
+        s += "\n";
     }
     if let Some(f) = &r.failover {
         s += &format!(

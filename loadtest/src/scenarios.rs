@@ -43,8 +43,18 @@ pub(crate) async fn fake(
     crs: usize,
     payload: usize,
 ) -> anyhow::Result<(FakeApiServer, tempfile_like::Dir)> {
+    fake_with(crs, payload, false).await
+}
+
+/// As [`fake`], over TLS (HTTP/2 and HTTP/1.1 by ALPN, 100 streams per connection) if `tls`.
+pub(crate) async fn fake_with(
+    crs: usize,
+    payload: usize,
+    tls: bool,
+) -> anyhow::Result<(FakeApiServer, tempfile_like::Dir)> {
     let options = Options {
         history_limit: 100_000,
+        tls,
         ..Options::default()
     }
     .crd_yaml(CRD)?;
@@ -1200,6 +1210,13 @@ pub async fn run_all(run: Run) -> anyhow::Result<()> {
             crate::failover::failover(&run)
                 .await
                 .context("the failover scenario")?,
+        );
+    }
+    if run.wants("connections") {
+        results.connections = Some(
+            crate::connections::connections(&run)
+                .await
+                .context("the API-connections scenario")?,
         );
     }
     if run.wants("stalled") {

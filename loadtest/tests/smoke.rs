@@ -108,6 +108,27 @@ fn the_smoke_configuration_runs_every_scenario_and_loses_nothing() {
     for verb in ["storm_lists_per_cr", "storm_watches_per_cr"] {
         assert_eq!(failover[verb], serde_json::json!([1, 1]), "{failover}");
     }
+    let rows = results["connections"]["rows"].as_array().unwrap();
+    let of = |crs: u64, mode: &str| {
+        rows.iter()
+            .find(|r| r["crs"] == crs && r["api_http2"] == mode)
+            .unwrap_or_else(|| panic!("a row for {crs} {mode}: {rows:?}"))
+    };
+    for row in rows {
+        assert_eq!(row["watches"], row["crs"], "{row}");
+    }
+    let (h1, h2) = (
+        &of(150, "off")["connections"],
+        &of(150, "auto")["connections"],
+    );
+    assert!(
+        h1.as_u64().unwrap() >= 150,
+        "HTTP/1.1: a connection per watch: {h1}"
+    );
+    assert!(
+        (2..=3).contains(&h2.as_u64().unwrap()),
+        "HTTP/2: 150 watches on two connections of 100 streams: {h2}"
+    );
     let cost = &identity["cost"];
     assert_eq!(cost["errors"], 0, "{cost}");
     for phase in ["by_pod", "interleaved"] {

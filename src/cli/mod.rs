@@ -15,7 +15,7 @@ use crate::access::{self, IdentityList, limits};
 use crate::broker::{self, Listeners, Running};
 use crate::selector::{KindRef, Selector};
 use crate::source::Source;
-use crate::source::kubernetes::Kubernetes;
+use crate::source::kubernetes::{ApiHttp2, Kubernetes};
 use crate::source::manifests::Manifests;
 use crate::telemetry::{self, LogFormat};
 use crate::transport::{
@@ -216,6 +216,11 @@ pub struct Serve {
     /// states while the API server is unreachable or failing (`0`: not at all).
     #[arg(long, env = "CRD_BROKER_MAX_STALENESS", default_value = "5m", value_parser = humantime::parse_duration)]
     pub max_staleness: Duration,
+    /// Whether the broker speaks HTTP/2 to the API server: `auto` does when the API server
+    /// offers it over TLS, sharing each connection among up to its stream limit (100) of
+    /// watches; `off` keeps kube's HTTP/1.1 stack, one connection per watch.
+    #[arg(long, env = "CRD_BROKER_API_HTTP2", value_enum, default_value_t = ApiHttp2::Auto)]
+    pub api_http2: ApiHttp2,
     /// The largest request message taken, in bytes (a larger one is RESOURCE_EXHAUSTED).
     #[arg(long, env = "CRD_BROKER_MAX_REQUEST_BYTES", default_value_t = transport::DEFAULT_MAX_REQUEST_BYTES)]
     pub max_request_bytes: usize,
@@ -445,7 +450,7 @@ impl Serve {
                 run_until_signal(listeners, source, config).await
             }
             None => {
-                let source = Kubernetes::infer(self.resources.clone())
+                let source = Kubernetes::infer(self.resources.clone(), self.api_http2)
                     .await
                     .context("configuring the Kubernetes client (KUBECONFIG, else in-cluster)")?
                     .confined_to(self.namespaces.clone());

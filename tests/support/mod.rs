@@ -270,6 +270,27 @@ pub struct Pki {
     pub client_key: String,
 }
 
+/// Established TCP connections from this process to `port` on loopback (IPv4 and IPv6),
+/// counted from the kernel's socket table: the client side only.
+pub fn connections_to(port: u16) -> usize {
+    let port = format!("{port:04X}");
+    ["/proc/net/tcp", "/proc/net/tcp6"]
+        .iter()
+        .filter_map(|table| std::fs::read_to_string(table).ok())
+        .flat_map(|text| {
+            text.lines()
+                .skip(1)
+                .map(|line| {
+                    let fields: Vec<&str> = line.split_whitespace().collect();
+                    let port_of = |a: &str| a.rsplit(':').next().unwrap_or_default().to_string();
+                    (port_of(fields[1]), port_of(fields[2]), fields[3] == "01")
+                })
+                .collect::<Vec<_>>()
+        })
+        .filter(|(local, remote, established)| *established && *remote == port && *local != port)
+        .count()
+}
+
 /// A fresh PKI whose CA is named after `name`.
 pub fn pki(name: &str) -> Pki {
     pki_with_client_uri(name, None)

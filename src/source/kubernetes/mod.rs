@@ -18,7 +18,10 @@ use crate::cache::FlightCache;
 use crate::selector::{KindRef, Selector};
 
 mod follow;
+pub mod http;
 mod rights;
+
+pub use http::ApiHttp2;
 
 /// How long a discovery answer is trusted before it is asked again (the last one that worked is
 /// still used while asking fails).
@@ -135,10 +138,11 @@ impl Kubernetes {
 
     /// A source on the client kube infers from the environment: `KUBECONFIG` (or
     /// `~/.kube/config`), else the in-cluster service account.
-    pub async fn infer(allowed: Vec<KindRef>) -> anyhow::Result<Self> {
+    /// `http2` says whether it may speak HTTP/2 to the API server.
+    pub async fn infer(allowed: Vec<KindRef>, http2: ApiHttp2) -> anyhow::Result<Self> {
         let mut config = kube::Config::infer().await?;
         config.read_timeout = Some(READ_TIMEOUT);
-        Ok(Self::new(kube::Client::try_from(config)?, allowed))
+        Ok(Self::new(http::client(config, http2)?, allowed))
     }
 
     /// The client.

@@ -277,6 +277,9 @@ pub struct RequestRecord {
     pub accept: Option<String>,
     /// The `Content-Type` header.
     pub content_type: Option<String>,
+    /// The HTTP version: `HTTP/1.1` or `HTTP/2.0`.
+    #[serde(default)]
+    pub version: String,
 }
 
 impl RequestRecord {

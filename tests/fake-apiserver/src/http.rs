@@ -11,7 +11,7 @@ use axum::extract::{Request, State};
 use axum::http::request::Parts;
 use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
 use serde_json::{Value, json};
 use tokio::net::TcpListener;
@@ -25,6 +25,7 @@ use crate::selector::{FieldSelector, LabelSelector};
 use crate::store::{
     Deleted, ListOpts, Opened, Patch, Scope, WatchInfo, WatchOpts, WriteOpts, Written,
 };
+use crate::tls::{self, Tls};
 use crate::watch_body::{self, WatchBody};
 use crate::{Shared, admin, discovery, reviews};
 
@@ -36,9 +37,9 @@ pub(crate) fn router(shared: Arc<Shared>) -> Router {
     Router::new().fallback(handle).with_state(shared)
 }
 
-/// Accepts HTTP/1.1 connections until aborted; aborting drops the listener and, with the
-/// join set, every connection.
-pub(crate) async fn serve(listener: TcpListener, router: Router) {
+/// Accepts connections until aborted: HTTP/1.1 in the clear, or TLS with ALPN choosing HTTP/2
+/// or HTTP/1.1. Aborting drops the listener and, with the join set, every connection.
+pub(crate) async fn serve(listener: TcpListener, router: Router, tls: Option<Tls>) {
     let mut connections = JoinSet::new();
     loop {
         tokio::select! {
@@ -47,16 +48,38 @@ pub(crate) async fn serve(listener: TcpListener, router: Router) {
                 // As Go's net/http (the real API server) does for every TCP connection.
                 let _ = stream.set_nodelay(true);
                 let service = TowerToHyperService::new(router.clone());
+                let tls = tls.clone();
                 connections.spawn(async move {
-                    let _ = hyper::server::conn::http1::Builder::new()
-                        .timer(TokioTimer::new())
-                        .serve_connection(TokioIo::new(stream), service)
-                        .await;
+                    let Some(tls) = tls else {
+                        return serve_http1(TokioIo::new(stream), service).await;
+                    };
+                    let Ok(stream) = tls.acceptor.accept(stream).await else {
+                        return;
+                    };
+                    if stream.get_ref().1.alpn_protocol() == Some(b"h2") {
+                        let _ = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+                            .timer(TokioTimer::new())
+                            .max_concurrent_streams(tls::MAX_STREAMS)
+                            .serve_connection(TokioIo::new(stream), service)
+                            .await;
+                    } else {
+                        serve_http1(TokioIo::new(stream), service).await;
+                    }
                 });
             }
             Some(_) = connections.join_next(), if !connections.is_empty() => {}
         }
     }
+}
+
+async fn serve_http1<I>(io: I, service: TowerToHyperService<Router>)
+where
+    I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
+{
+    let _ = hyper::server::conn::http1::Builder::new()
+        .timer(TokioTimer::new())
+        .serve_connection(io, service)
+        .await;
 }
 
 /// Decoded query parameters (empty pairs, as in kube-rs's `?&…`, are skipped).
@@ -185,6 +208,7 @@ async fn handle(State(shared): State<Arc<Shared>>, request: Request) -> Response
         verb: verb.clone(),
         accept: header(header::ACCEPT),
         content_type: header(header::CONTENT_TYPE),
+        version: format!("{:?}", parts.version),
     });
     let injected = shared.faults().take(&verb, &path);
     match injected {

@@ -38,6 +38,7 @@ pub mod reviews;
 pub mod schema;
 pub mod selector;
 pub mod store;
+pub mod tls;
 mod watch_body;
 
 pub use error::ApiError;
@@ -64,6 +65,10 @@ pub struct Options {
     pub watch_buffer: usize,
     /// The first resourceVersion.
     pub first_rv: u64,
+    /// Serve TLS (HTTP/2 and HTTP/1.1 by ALPN) with a CA of its own, as the real server does.
+    pub tls: bool,
+    /// With `tls`: offer `h2` in ALPN (else HTTP/1.1 only, as a proxy in front might).
+    pub http2: bool,
 }
 
 impl Default for Options {
@@ -75,6 +80,8 @@ impl Default for Options {
             history_limit: 10_000,
             watch_buffer: 10_000,
             first_rv: 100,
+            tls: false,
+            http2: true,
         }
     }
 }
@@ -102,6 +109,7 @@ pub(crate) struct Shared {
     /// Bumped when faults are cleared: requests hung by an injection then answer 504.
     hangs_released: watch::Sender<u64>,
     listener: Mutex<ListenerState>,
+    tls: Option<tls::Tls>,
 }
 
 struct ListenerState {
@@ -136,7 +144,11 @@ impl Shared {
         let addr = self.listener().addr;
         let listener = TcpListener::bind(addr).await?;
         let bound = listener.local_addr()?;
-        let task = tokio::spawn(http::serve(listener, http::router(self.clone())));
+        let task = tokio::spawn(http::serve(
+            listener,
+            http::router(self.clone()),
+            self.tls.clone(),
+        ));
         let mut l = self.listener();
         l.addr = bound;
         if let Some(old) = l.accept.replace(task) {
@@ -211,6 +223,10 @@ impl FakeApiServer {
         }
         let (control, _) = watch::channel(Control::Run);
         let (stall, _) = watch::channel(false);
+        let tls = options
+            .tls
+            .then(|| tls::Tls::generate(options.http2))
+            .transpose()?;
         let shared = Arc::new(Shared {
             state: Mutex::new(state),
             faults: Mutex::new(faults::Faults {
@@ -224,6 +240,7 @@ impl FakeApiServer {
                 addr: options.listen,
                 accept: None,
             }),
+            tls,
         });
         let server = FakeApiServer {
             ticker: tokio::spawn(bookmark_ticker(
@@ -234,6 +251,17 @@ impl FakeApiServer {
         };
         for ns in ["default", "kube-system", "kube-public", "kube-node-lease"] {
             server.create_namespace(ns)?;
+        }
+        if server.shared.tls.is_some() {
+            server.register_token(TokenUser {
+                token: tls::ADMIN_TOKEN.to_string(),
+                username: "kubernetes-admin".to_string(),
+                groups: vec![
+                    "system:masters".to_string(),
+                    "system:authenticated".to_string(),
+                ],
+                ..TokenUser::default()
+            });
         }
         for crd in options.crds {
             server.install_crd(crd)?;
@@ -247,14 +275,36 @@ impl FakeApiServer {
         self.shared.listener().addr
     }
 
-    /// `http://127.0.0.1:PORT`.
+    /// `http://127.0.0.1:PORT`, or `https://` with TLS.
     pub fn url(&self) -> String {
-        format!("http://{}", self.addr())
+        let scheme = if self.shared.tls.is_some() {
+            "https"
+        } else {
+            "http"
+        };
+        format!("{scheme}://{}", self.addr())
     }
 
-    /// A kubeconfig (YAML) whose current context points at this server, without auth.
+    /// The CA that signed the server's certificate (PEM), with TLS.
+    pub fn ca_pem(&self) -> Option<&str> {
+        self.shared.tls.as_ref().map(|t| t.ca_pem.as_str())
+    }
+
+    /// A kubeconfig (YAML) whose current context points at this server: without auth in the
+    /// clear; with TLS, trusting its CA and with a token user (no prompt, no skipped checks).
     pub fn kubeconfig(&self) -> String {
-        kubeconfig_for(&self.url())
+        match self.ca_pem() {
+            None => kubeconfig_for(&self.url()),
+            Some(ca) => {
+                use base64::Engine;
+                let ca = base64::engine::general_purpose::STANDARD.encode(ca);
+                format!(
+                    "apiVersion: v1\nkind: Config\nclusters:\n- name: fake\n  cluster:\n    server: {}\n    certificate-authority-data: {ca}\nusers:\n- name: fake\n  user:\n    token: {}\ncontexts:\n- name: fake\n  context:\n    cluster: fake\n    user: fake\n    namespace: default\ncurrent-context: fake\npreferences: {{}}\n",
+                    self.url(),
+                    tls::ADMIN_TOKEN
+                )
+            }
+        }
     }
 
     /// Writes [`FakeApiServer::kubeconfig`] to `path`.

@@ -23,7 +23,8 @@ struct Args {
     /// several documents separated by `---`).
     #[arg(long = "crd", value_name = "FILE.yaml")]
     crds: Vec<PathBuf>,
-    /// Write a kubeconfig pointing at this server (no auth) to this file.
+    /// Write a kubeconfig pointing at this server to this file (no auth in the clear; with
+    /// `--tls`, its CA and a token user).
     #[arg(long, value_name = "FILE")]
     kubeconfig_out: Option<PathBuf>,
     /// How often watches that allow bookmarks get one.
@@ -32,6 +33,11 @@ struct Args {
     /// How many events of history to keep before resuming older watches gets 410.
     #[arg(long, default_value_t = 10_000)]
     history_limit: usize,
+    /// Serve TLS with a CA of its own, HTTP/2 and HTTP/1.1 by ALPN, at most 100 concurrent
+    /// streams per connection, as the kube-apiserver does. The kubeconfig written then trusts
+    /// the CA and carries a token user.
+    #[arg(long)]
+    tls: bool,
 }
 
 #[tokio::main]
@@ -48,6 +54,7 @@ async fn main() -> anyhow::Result<()> {
         listen: args.listen,
         bookmark_every: args.bookmark_interval,
         history_limit: args.history_limit,
+        tls: args.tls,
         ..Options::default()
     };
     for path in &args.crds {

@@ -554,7 +554,26 @@ async fn lists_page_and_honour_resource_version_semantics_and_selectors() {
 async fn watch_object_reports_absent_then_present_then_deleted() {
     let fake = start().await;
     let client = client(&fake);
-    let api = featureflags(&client, "default");
+    watch_object_sees_a_life(&fake, &client).await;
+}
+
+/// kube-rs's own stack (HTTP/1.1) over TLS, trusting the CA and sending the token of the
+/// kubeconfig the fake writes.
+#[tokio::test]
+async fn watch_object_over_tls_with_the_kubeconfig_the_fake_writes() {
+    let fake = start_tls(true).await;
+    let kubeconfig = kube::config::Kubeconfig::from_yaml(&fake.kubeconfig()).unwrap();
+    let config = kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default())
+        .await
+        .unwrap();
+    let client = kube::Client::try_from(config).unwrap();
+    watch_object_sees_a_life(&fake, &client).await;
+    let requests = fake.requests();
+    assert!(requests.iter().all(|r| r.version == "HTTP/1.1"));
+}
+
+async fn watch_object_sees_a_life(fake: &fake_apiserver::FakeApiServer, client: &kube::Client) {
+    let api = featureflags(client, "default");
     let (tx, mut rx) = mpsc::unbounded_channel();
     let watched = api.clone();
     let task = tokio::spawn(async move {

@@ -132,7 +132,23 @@ fn write(dir: &Path, name: &str, value: &Value) -> String {
 
 #[tokio::test]
 async fn create_get_apply_patch_delete_with_kubectl() {
-    let fake = start().await;
+    create_get_apply_patch_delete(false).await;
+}
+
+#[tokio::test]
+async fn create_get_apply_patch_delete_with_kubectl_over_tls_and_http2() {
+    let fake = create_get_apply_patch_delete(true).await;
+    let requests = fake.requests();
+    assert!(!requests.is_empty());
+    assert!(
+        requests.iter().all(|r| r.version == "HTTP/2.0"),
+        "kubectl negotiates HTTP/2: {:?}",
+        requests.iter().map(|r| &r.version).collect::<Vec<_>>()
+    );
+}
+
+async fn create_get_apply_patch_delete(tls: bool) -> fake_apiserver::FakeApiServer {
+    let fake = start_tls(tls).await;
     let k = Kubectl::new(&fake);
     let dir = tempfile::tempdir().unwrap();
 
@@ -327,11 +343,21 @@ async fn create_get_apply_patch_delete_with_kubectl() {
         "3"
     );
     assert!(k.ok(&["get", "crd"]).await.contains("widgets.example.com"));
+    fake
 }
 
 #[tokio::test]
 async fn kubectl_get_watch_streams_changes() {
-    let fake = start().await;
+    get_watch_streams_changes(false).await;
+}
+
+#[tokio::test]
+async fn kubectl_get_watch_streams_changes_over_tls_and_http2() {
+    get_watch_streams_changes(true).await;
+}
+
+async fn get_watch_streams_changes(tls: bool) {
+    let fake = start_tls(tls).await;
     fake.apply(flag("default", "w", "on")).unwrap();
     let k = Kubectl::new(&fake);
     let mut kubectl = k.watch(&["get", "ff", "w", "-w", "-o", "json"]);

@@ -30,8 +30,18 @@ fn python() -> PathBuf {
 
 #[tokio::test]
 async fn python_kubernetes_client_crud_and_watch() {
+    crud_and_watch(false).await;
+}
+
+/// The python client speaks HTTP/1.1 (urllib3), over TLS verified against the fake's CA.
+#[tokio::test]
+async fn python_kubernetes_client_crud_and_watch_over_tls() {
+    crud_and_watch(true).await;
+}
+
+async fn crud_and_watch(tls: bool) {
     let python = python();
-    let fake = start().await;
+    let fake = start_tls(tls).await;
     let dir = tempfile::tempdir().unwrap();
     let kubeconfig = dir.path().join("kubeconfig");
     fake.write_kubeconfig(&kubeconfig).unwrap();

@@ -35,6 +35,19 @@ pub async fn start() -> FakeApiServer {
     start_with_bookmarks(Duration::from_secs(60)).await
 }
 
+/// A fake serving the FeatureFlag CRD over TLS (HTTP/2 and HTTP/1.1 by ALPN), or in the clear.
+pub async fn start_tls(tls: bool) -> FakeApiServer {
+    let options = Options {
+        tls,
+        ..Options::default()
+            .crd_yaml(FEATUREFLAG_CRD)
+            .expect("the CRD parses")
+    };
+    FakeApiServer::start_with(options)
+        .await
+        .expect("the fake starts")
+}
+
 /// A kube client for the fake, with kube's production defaults (retries on).
 pub fn client(fake: &FakeApiServer) -> kube::Client {
     let config = kube::Config::new(fake.url().parse().expect("a valid URL"));

@@ -1,0 +1,334 @@
+//! The broker's own HTTP stack to the API server, for `--api-http2 auto` (ADR 0014).
+//!
+//! kube-client speaks HTTP/1.1 only, so each of its watches holds a TCP (and TLS) connection of
+//! its own. This stack keeps kube's TLS configuration, authentication, base-URI and
+//! extra-header layers and puts a small pool of connections under them. A connection whose
+//! TLS handshake agrees on `h2` (ALPN) carries as many requests at once as its peer's
+//! `SETTINGS_MAX_CONCURRENT_STREAMS` allows (100 on the kube-apiserver); a request that finds
+//! every connection full opens the next one, since hyper never does that by itself. A server
+//! that offers no `h2` is spoken to over kube's own HTTP/1.1 client, one connection per
+//! request in flight. Dead HTTP/2 connections are found by keepalive pings.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Request, Response};
+use hyper::body::Incoming;
+use hyper::client::conn::http2;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use kube::client::{Body, ConfigExt};
+use rustls_pki_types::ServerName;
+use tower::ServiceBuilder;
+
+use crate::source::lock;
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// How often an idle HTTP/2 connection to the API server is pinged, and how long an answer may
+/// take before the connection (and every watch on it) is given up.
+const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(15);
+const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How long an HTTP/2 connection that carries nothing stays open (the first one stays).
+const IDLE_CLOSE: Duration = Duration::from_secs(60);
+
+/// How long a TCP connect and TLS handshake may take.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Whether the broker speaks HTTP/2 to the API server.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum ApiHttp2 {
+    /// HTTP/2 when the API server offers it over TLS (ALPN), else HTTP/1.1.
+    #[default]
+    Auto,
+    /// kube's own HTTP/1.1 stack: one connection per concurrent request.
+    Off,
+}
+
+/// A kube client for `config`: over this module's pool for an `https` API server with
+/// `Auto`, else kube's own stack (there is no cleartext HTTP/2 to the API server, and kube's
+/// stack is the one that goes through a `proxy-url`).
+pub fn client(config: kube::Config, mode: ApiHttp2) -> kube::Result<kube::Client> {
+    if mode == ApiHttp2::Off || config.cluster_url.scheme_str() != Some("https") {
+        return kube::Client::try_from(config);
+    }
+    if config.proxy_url.is_some() {
+        tracing::info!(
+            "the kubeconfig names a proxy-url: speaking HTTP/1.1 to the API server through it"
+        );
+        return kube::Client::try_from(config);
+    }
+    let pool = Pool::new(&config)?;
+    let service = ServiceBuilder::new()
+        .layer(config.base_uri_layer())
+        .option_layer(config.auth_layer()?)
+        .layer(config.extra_headers_layer()?)
+        .service(pool);
+    Ok(kube::Client::new(service, config.default_namespace))
+}
+
+/// Connections to one API server.
+#[derive(Clone)]
+pub struct Pool(Arc<Shared>);
+
+type Http1 = hyper_util::client::legacy::Client<
+    hyper_rustls::HttpsConnector<hyper_util::client::legacy::connect::HttpConnector>,
+    Body,
+>;
+
+struct Shared {
+    host: String,
+    port: u16,
+    server_name: ServerName<'static>,
+    tls: tokio_rustls::TlsConnector,
+    lanes: Mutex<Vec<Lane>>,
+    /// Held while a connection is being opened, so that a burst of requests opens one.
+    opening: tokio::sync::Mutex<()>,
+    /// kube's own HTTP/1.1 client, for a server that offers no HTTP/2.
+    http1: Http1,
+    /// Set once a server answered the TLS handshake without `h2`.
+    http1_only: AtomicBool,
+}
+
+/// One HTTP/2 connection and the requests open on it.
+struct Lane {
+    sender: http2::SendRequest<Body>,
+    open: Arc<Use>,
+    /// The peer's `SETTINGS_MAX_CONCURRENT_STREAMS`, as last seen.
+    streams: Arc<AtomicUsize>,
+}
+
+impl Lane {
+    fn has_room(&self) -> bool {
+        self.open.requests.load(Ordering::Relaxed) < self.streams.load(Ordering::Relaxed)
+    }
+
+    /// Whether it has carried nothing for [`IDLE_CLOSE`].
+    fn idle(&self) -> bool {
+        self.open.requests.load(Ordering::Relaxed) == 0
+            && lock(&self.open.last).elapsed() > IDLE_CLOSE
+    }
+}
+
+/// How a connection is used: requests open on it, and when one last ended.
+struct Use {
+    requests: AtomicUsize,
+    last: Mutex<std::time::Instant>,
+}
+
+impl Use {
+    fn new() -> Arc<Use> {
+        Arc::new(Use {
+            requests: AtomicUsize::new(0),
+            last: Mutex::new(std::time::Instant::now()),
+        })
+    }
+}
+
+/// Drives an HTTP/2 connection, and publishes its peer's stream limit at every turn.
+struct Driven<T: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static> {
+    connection: http2::Connection<T, Body, TokioExecutor>,
+    streams: Arc<AtomicUsize>,
+}
+
+impl<T> Future for Driven<T>
+where
+    T: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
+{
+    type Output = hyper::Result<()>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<hyper::Result<()>> {
+        let done = Pin::new(&mut self.connection).poll(cx);
+        let streams = self.connection.current_max_send_streams();
+        self.streams.store(streams, Ordering::Relaxed);
+        done
+    }
+}
+
+/// A request's place on its connection, given back when its response body is dropped.
+struct Slot(Arc<Use>);
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        *lock(&self.0.last) = std::time::Instant::now();
+        self.0.requests.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// A response body that holds its request's [`Slot`] (over HTTP/2) until it is dropped.
+pub struct Tracked {
+    body: Incoming,
+    _slot: Option<Slot>,
+}
+
+impl http_body::Body for Tracked {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Bytes>, hyper::Error>>> {
+        Pin::new(&mut self.body).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.body.size_hint()
+    }
+}
+
+impl Pool {
+    fn new(config: &kube::Config) -> kube::Result<Pool> {
+        let mut tls = config.rustls_client_config()?;
+        tls.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+        let url = &config.cluster_url;
+        let host = url.host().unwrap_or("localhost").to_string();
+        let bare = host
+            .trim_start_matches('[')
+            .trim_end_matches(']')
+            .to_string();
+        let name = config
+            .tls_server_name
+            .clone()
+            .unwrap_or_else(|| bare.clone());
+        let server_name = ServerName::try_from(name.clone()).map_err(|e| {
+            kube::Error::Service(format!("{name} is not a TLS server name: {e}").into())
+        })?;
+        Ok(Pool(Arc::new(Shared {
+            host: bare,
+            port: url.port_u16().unwrap_or(443),
+            server_name,
+            tls: tokio_rustls::TlsConnector::from(Arc::new(tls)),
+            lanes: Mutex::new(Vec::new()),
+            opening: tokio::sync::Mutex::new(()),
+            http1: hyper_util::client::legacy::Builder::new(TokioExecutor::new())
+                .build(config.rustls_https_connector()?),
+            http1_only: AtomicBool::new(false),
+        })))
+    }
+}
+
+impl Shared {
+    /// A place for one request on a connection with room, if one has it.
+    fn take_room(&self) -> Option<(http2::SendRequest<Body>, Slot)> {
+        let mut lanes = lock(&self.lanes);
+        lanes.retain(|l| !l.sender.is_closed());
+        // Connections idle for long are closed, all but the first.
+        let mut first = true;
+        lanes.retain(|l| std::mem::take(&mut first) || !l.idle());
+        // The first connection with room: requests fill connections in order, so few are open.
+        let lane = lanes.iter().find(|l| l.has_room())?;
+        lane.open.requests.fetch_add(1, Ordering::Relaxed);
+        Some((lane.sender.clone(), Slot(lane.open.clone())))
+    }
+
+    /// A place for one request on an HTTP/2 connection, opening one if all are full; `None`
+    /// if the server speaks only HTTP/1.1.
+    async fn reserve(&self) -> Result<Option<(http2::SendRequest<Body>, Slot)>, BoxError> {
+        loop {
+            if self.http1_only.load(Ordering::Relaxed) {
+                return Ok(None);
+            }
+            if let Some(room) = self.take_room() {
+                return Ok(Some(room));
+            }
+            let _opening = self.opening.lock().await;
+            if let Some(room) = self.take_room() {
+                return Ok(Some(room));
+            }
+            let opened = tokio::time::timeout(CONNECT_TIMEOUT, self.open())
+                .await
+                .map_err(|_| {
+                    format!(
+                        "no connection to {}:{} within {CONNECT_TIMEOUT:?}",
+                        self.host, self.port
+                    )
+                })??;
+            match opened {
+                Some(lane) => lock(&self.lanes).push(lane),
+                None => {
+                    tracing::info!("the API server offers no HTTP/2; speaking HTTP/1.1 to it");
+                    self.http1_only.store(true, Ordering::Relaxed);
+                }
+            }
+        }
+    }
+
+    /// Opens a connection: TCP, then TLS with ALPN, then HTTP/2; `None` if the server did not
+    /// agree on `h2`.
+    async fn open(&self) -> Result<Option<Lane>, BoxError> {
+        let tcp = tokio::net::TcpStream::connect((self.host.as_str(), self.port)).await?;
+        tcp.set_nodelay(true)?;
+        let tls = self.tls.connect(self.server_name.clone(), tcp).await?;
+        if tls.get_ref().1.alpn_protocol() != Some(b"h2") {
+            return Ok(None);
+        }
+        let (mut sender, connection) = http2::Builder::new(TokioExecutor::new())
+            .timer(TokioTimer::new())
+            .keep_alive_interval(KEEPALIVE_INTERVAL)
+            .keep_alive_timeout(KEEPALIVE_TIMEOUT)
+            .keep_alive_while_idle(true)
+            .handshake(TokioIo::new(tls))
+            .await?;
+        let streams = Arc::new(AtomicUsize::new(1));
+        let driven = Driven {
+            connection,
+            streams: streams.clone(),
+        };
+        tokio::spawn(async move {
+            if let Err(e) = driven.await {
+                tracing::debug!(error = %e, "an HTTP/2 connection to the API server ended");
+            }
+        });
+        // The server's SETTINGS (its stream limit) come before any response: one small
+        // request, whatever its answer, makes them known before the connection is shared.
+        let probe = Request::get(format!("https://{}:{}/version", self.host, self.port))
+            .body(Body::empty())?;
+        sender.ready().await?;
+        drop(sender.send_request(probe).await?);
+        tracing::debug!(
+            streams = streams.load(Ordering::Relaxed),
+            "opened an HTTP/2 connection to the API server"
+        );
+        Ok(Some(Lane {
+            sender,
+            open: Use::new(),
+            streams,
+        }))
+    }
+}
+
+impl tower::Service<Request<Body>> for Pool {
+    type Response = Response<Tracked>;
+    type Error = BoxError;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, BoxError>> + Send>>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, request: Request<Body>) -> Self::Future {
+        let shared = self.0.clone();
+        Box::pin(async move {
+            let Some((mut sender, slot)) = shared.reserve().await? else {
+                let response = shared.http1.request(request).await?;
+                return Ok(response.map(|body| Tracked { body, _slot: None }));
+            };
+            sender.ready().await?;
+            let response = sender.send_request(request).await?;
+            Ok(response.map(|body| Tracked {
+                body,
+                _slot: Some(slot),
+            }))
+        })
+    }
+}
