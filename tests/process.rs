@@ -727,7 +727,7 @@ async fn serve_speaks_http2_to_a_tls_api_server_unless_api_http2_is_off() {
             .map(|v| ("CRD_BROKER_API_HTTP2", v))
             .into_iter()
             .collect();
-        let broker = spawn(&kubeconfig, &[], &env).await;
+        let mut broker = spawn(&kubeconfig, &[], &env).await;
         let mut client = connect(broker.grpc).await;
         let mut stream = subscribe(&mut client, &[&demo("demo")]).await;
         assert_eq!(variant(&next(&mut stream).await), "on");
