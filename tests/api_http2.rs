@@ -40,7 +40,8 @@ async fn broker(fake: &FakeApiServer, mode: ApiHttp2) -> Running<Kubernetes> {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     Running::start(
         listener,
-        Kubernetes::new(client, vec![]),
+        // A watch per name, whatever their number.
+        Kubernetes::new(client, vec![]).with_namespace_watch_threshold(0),
         Duration::from_secs(30),
     )
     .unwrap()

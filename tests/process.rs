@@ -731,6 +731,10 @@ async fn serve_speaks_http2_to_a_tls_api_server_unless_api_http2_is_off() {
         let mut client = connect(broker.grpc).await;
         let mut stream = subscribe(&mut client, &[&demo("demo")]).await;
         assert_eq!(variant(&next(&mut stream).await), "on");
+        assert!(
+            fake.wait_for(Duration::from_secs(10), |f| f.open_watches() == 1)
+                .await
+        );
         let requests = fake.requests();
         assert!(
             requests.iter().any(|r| r.verb == "list")
@@ -740,6 +744,12 @@ async fn serve_speaks_http2_to_a_tls_api_server_unless_api_http2_is_off() {
                 .iter()
                 .map(|r| (&r.verb, &r.version))
                 .collect::<Vec<_>>()
+        );
+        // Gone before the next one starts, so that none of its requests is counted there.
+        broker.child.kill().await.unwrap();
+        assert!(
+            fake.wait_for(Duration::from_secs(10), |f| f.open_watches() == 0)
+                .await
         );
     }
 }

@@ -82,7 +82,7 @@ async fn count(run: &Run, crs: usize, mode: &str) -> anyhow::Result<Row> {
         &bin,
         &dir.path().join("kubeconfig"),
         Duration::from_secs(30),
-        &["--api-http2", mode],
+        &["--api-http2", mode, "--namespace-watch-threshold", "0"],
     )
     .await?;
     let channel = crate::clients::connections(target.grpc, 1, 1)

@@ -7,6 +7,7 @@ mod bare;
 mod clients;
 mod connections;
 mod failover;
+mod granularity;
 mod report;
 mod scenarios;
 mod soak;
@@ -51,7 +52,8 @@ pub struct Run {
     /// (memory of idle one-stream sidecars), `identity` (the cost of `--identity peer-pod`),
     /// `stalled` (readers that never read, under large updates), `failover` (replicas SIGKILLed
     /// under load, then a restart storm on a fresh replica), `connections` (TCP connections to
-    /// the API server for 100, 1,000 and 5,000 CRs, HTTP/1.1 and HTTP/2), or `all`.
+    /// the API server for 100, 1,000 and 5,000 CRs, HTTP/1.1 and HTTP/2), `granularity`
+    /// (per-object watches against one namespace watch), or `all`.
     #[arg(long, value_delimiter = ',', default_value = "all")]
     pub scenario: Vec<String>,
     /// A tiny configuration of every scenario (a few seconds), for CI.

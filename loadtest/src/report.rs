@@ -10,6 +10,7 @@ use serde::Serialize;
 use crate::Run;
 use crate::connections::Connections;
 use crate::failover::Failover;
+use crate::granularity::Granularity;
 use crate::scenarios::{Churn, Fanout, Identity, Idle, Stalled, Storm};
 
 /// The machine the run was on.
@@ -101,6 +102,8 @@ pub struct Results {
     pub failover: Option<Failover>,
     /// TCP connections to the API server, HTTP/1.1 and HTTP/2.
     pub connections: Option<Connections>,
+    /// Per-object watches against one namespace watch.
+    pub granularity: Option<Granularity>,
     /// Broker ÷ bare.
     pub ratios: Ratios,
 }
@@ -142,6 +145,7 @@ impl Results {
             stalled: None,
             failover: None,
             connections: None,
+            granularity: None,
             ratios: Ratios::default(),
         }
     }
@@ -321,6 +325,22 @@ pub fn markdown(r: &Results) -> String {
             st.open_watches,
             st.errors
         );
+    }
+    if let Some(g) = &r.granularity {
+        s += "### Watch granularity\n\nN names watched in a namespace of FeatureFlags, while every FeatureFlag there is written twice.\n\n| names | objects | granularity | API watches | bytes from the API server | broker CPU | all subscribed after |\n|---:|---:|---|---:|---:|---:|---:|\n";
+        for row in &g.rows {
+            s += &format!(
+                "| {} | {} | {} | {} | {:.1} KiB | {:.2} s | {:.2} s |\n",
+                row.names,
+                row.objects,
+                row.granularity,
+                row.watches,
+                row.bytes as f64 / 1024.0,
+                row.cpu_seconds,
+                row.subscribe_seconds
+            );
+        }
+        s += "\n";
     }
     if let Some(c) = &r.connections {
         s += "### TCP connections to the API server\n\nThe fake over TLS with 100 streams per HTTP/2 connection; counted from the broker's sockets once every CR was watched.\n\n| CRs | `--api-http2` | connections | watches | all watched after |\n|---:|---|---:|---:|---:|\n";

@@ -1212,6 +1212,13 @@ pub async fn run_all(run: Run) -> anyhow::Result<()> {
                 .context("the failover scenario")?,
         );
     }
+    if run.wants("granularity") {
+        results.granularity = Some(
+            crate::granularity::granularity(&run)
+                .await
+                .context("the granularity scenario")?,
+        );
+    }
     if run.wants("connections") {
         results.connections = Some(
             crate::connections::connections(&run)

@@ -129,6 +129,24 @@ fn the_smoke_configuration_runs_every_scenario_and_loses_nothing() {
         (2..=3).contains(&h2.as_u64().unwrap()),
         "HTTP/2: 150 watches on two connections of 100 streams: {h2}"
     );
+    let granularity = results["granularity"]["rows"].as_array().unwrap();
+    let watches = |names: u64, how: &str| {
+        granularity
+            .iter()
+            .find(|r| r["names"] == names && r["granularity"] == how)
+            .map(|r| r["watches"].as_u64().unwrap())
+    };
+    assert_eq!(watches(20, "per-object"), Some(20), "{granularity:?}");
+    assert_eq!(
+        watches(20, "adaptive"),
+        Some(1),
+        "a whole namespace watched: one watch"
+    );
+    assert_eq!(
+        watches(4, "adaptive"),
+        Some(4),
+        "4 of 20 watched: a watch per name, not every object's events"
+    );
     let cost = &identity["cost"];
     assert_eq!(cost["errors"], 0, "{cost}");
     for phase in ["by_pod", "interleaved"] {

@@ -221,6 +221,11 @@ pub struct Serve {
     /// watches; `off` keeps kube's HTTP/1.1 stack, one connection per watch.
     #[arg(long, env = "CRD_BROKER_API_HTTP2", value_enum, default_value_t = ApiHttp2::Auto)]
     pub api_http2: ApiHttp2,
+    /// Names of one kind watched in one namespace above which one watch of the namespace
+    /// replaces theirs (and below half of which each name has its own watch again); `0`: a
+    /// watch per name always.
+    #[arg(long, env = "CRD_BROKER_NAMESPACE_WATCH_THRESHOLD", default_value_t = crate::source::kubernetes::DEFAULT_NAMESPACE_WATCH_THRESHOLD)]
+    pub namespace_watch_threshold: usize,
     /// The largest request message taken, in bytes (a larger one is RESOURCE_EXHAUSTED).
     #[arg(long, env = "CRD_BROKER_MAX_REQUEST_BYTES", default_value_t = transport::DEFAULT_MAX_REQUEST_BYTES)]
     pub max_request_bytes: usize,
@@ -453,7 +458,8 @@ impl Serve {
                 let source = Kubernetes::infer(self.resources.clone(), self.api_http2)
                     .await
                     .context("configuring the Kubernetes client (KUBECONFIG, else in-cluster)")?
-                    .confined_to(self.namespaces.clone());
+                    .confined_to(self.namespaces.clone())
+                    .with_namespace_watch_threshold(self.namespace_watch_threshold);
                 config.access.api = Some(source.client().clone());
                 run_until_signal(listeners, source, config).await
             }

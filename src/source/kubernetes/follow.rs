@@ -22,7 +22,7 @@ use tokio::time::Instant;
 
 use super::{api_error, to_object};
 use crate::source::retry::{Backoff, Recovery};
-use crate::source::{Observed, SourceError};
+use crate::source::{Object, Observed, SourceError};
 
 /// How long the API server keeps one watch open before it ends it and the watch resumes (kube's
 /// watcher asks the same, under the server's 5–10 minute default).
@@ -37,6 +37,94 @@ const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 /// a server that closes every watch at once is not asked again in a tight loop.
 const SHORT_WATCH: Duration = Duration::from_secs(1);
 
+/// What a LIST+WATCH of a collection (one name, or a namespace) saw.
+#[derive(Debug, Clone)]
+pub(super) enum Event {
+    /// A LIST: every object, by name, as of `rv`.
+    Listed {
+        rv: String,
+        objects: Vec<(String, Object)>,
+    },
+    /// An object created or changed, at `rv`.
+    Applied {
+        rv: String,
+        name: String,
+        object: Object,
+    },
+    /// An object deleted, at `rv`.
+    Deleted { rv: String, name: String },
+    /// A request failed; it is retried after the backoff.
+    Failed(SourceError),
+    /// The watch works again after failures: what was last seen still holds, as of `rv`.
+    Recovered { rv: String },
+}
+
+/// Follows a collection through `api`: the objects `field` selects (all, if `None`); `what`
+/// names it in errors.
+pub(super) fn events(
+    api: Api<DynamicObject>,
+    field: Option<String>,
+    what: String,
+    recovery: Arc<Recovery>,
+) -> BoxStream<'static, Event> {
+    let mut list = ListParams::default();
+    let mut watch = WatchParams::default().timeout(WATCH_TIMEOUT_SECONDS);
+    if let Some(field) = &field {
+        list = list.fields(field);
+        watch = watch.fields(field);
+    }
+    let state = Follow {
+        list,
+        watch,
+        api,
+        what,
+        recovery,
+        phase: Phase::List,
+        backoff: Backoff::default(),
+        wait: None,
+        failing: false,
+    };
+    stream::unfold(state, Follow::next).boxed()
+}
+
+/// One state of one object, and the resourceVersion it is known to hold as of.
+pub(super) type Seen = Result<(Observed, String), SourceError>;
+
+/// Follows the object `name` through `api`; `what` names it in errors. Each state comes with
+/// the resourceVersion it holds as of; one older than the last reported for the same object
+/// is dropped.
+pub(super) fn follow_seen(
+    api: Api<DynamicObject>,
+    name: &str,
+    what: String,
+    recovery: Arc<Recovery>,
+) -> BoxStream<'static, Seen> {
+    let field = format!("metadata.name={name}");
+    let mut last: Option<Observed> = None;
+    events(api, Some(field), what, recovery)
+        .filter_map(move |event| {
+            let seen = match event {
+                Event::Listed { rv, objects } => {
+                    let observed = match objects.into_iter().next() {
+                        Some((_, object)) => Observed::Present(object),
+                        None => Observed::Absent,
+                    };
+                    Some((observed, rv))
+                }
+                Event::Applied { rv, object, .. } => Some((Observed::Present(object), rv)),
+                Event::Deleted { rv, .. } => Some((Observed::Absent, rv)),
+                Event::Recovered { rv } => last.clone().map(|l| (l, rv)),
+                Event::Failed(error) => return std::future::ready(Some(Err(error))),
+            };
+            let seen = seen.filter(|(observed, _)| !goes_back(last.as_ref(), observed));
+            if let Some((observed, _)) = &seen {
+                last = Some(observed.clone());
+            }
+            std::future::ready(seen.map(Ok))
+        })
+        .boxed()
+}
+
 /// Follows the object `name` through `api`; `what` names it in errors.
 pub fn follow(
     api: Api<DynamicObject>,
@@ -44,22 +132,25 @@ pub fn follow(
     what: String,
     recovery: Arc<Recovery>,
 ) -> BoxStream<'static, Result<Observed, SourceError>> {
-    let field = format!("metadata.name={name}");
-    let state = Follow {
-        list: ListParams::default().fields(&field),
-        watch: WatchParams::default()
-            .fields(&field)
-            .timeout(WATCH_TIMEOUT_SECONDS),
-        api,
-        what,
-        recovery,
-        phase: Phase::List,
-        backoff: Backoff::default(),
-        wait: None,
-        last: None,
-        failing: false,
-    };
-    stream::unfold(state, Follow::next).boxed()
+    follow_seen(api, name, what, recovery)
+        .map(|seen| seen.map(|(observed, _)| observed))
+        .boxed()
+}
+
+/// Whether `now` is an older state than `last`: the same object at a lower resourceVersion.
+pub(super) fn goes_back(last: Option<&Observed>, now: &Observed) -> bool {
+    if let (Some(Observed::Present(last)), Observed::Present(now)) = (last, now)
+        && last.uid == now.uid
+        && older(&now.resource_version, &last.resource_version)
+    {
+        tracing::debug!(
+            was = %last.resource_version,
+            now = %now.resource_version,
+            "an older state than the one reported; dropped"
+        );
+        return true;
+    }
+    false
 }
 
 enum Phase {
@@ -85,16 +176,16 @@ struct Follow {
     backoff: Backoff,
     /// Wait this long before the next request; `true` if the API server could not be reached.
     wait: Option<(Duration, bool)>,
-    /// The state last reported.
-    last: Option<Observed>,
-    /// Whether an error was reported since the state last was.
+    /// Whether a failure was reported since the last state was.
     failing: bool,
 }
 
-type Item = Result<Observed, SourceError>;
+fn name_of(obj: &DynamicObject) -> String {
+    obj.metadata.name.clone().unwrap_or_default()
+}
 
 impl Follow {
-    async fn next(mut self) -> Option<(Item, Follow)> {
+    async fn next(mut self) -> Option<(Event, Follow)> {
         loop {
             if let Some((delay, unreachable)) = self.wait.take() {
                 if unreachable {
@@ -107,15 +198,15 @@ impl Follow {
                 Phase::List => match bounded(self.api.list(&self.list)).await {
                     Ok(list) => {
                         self.backoff.working();
+                        self.failing = false;
                         let rv = list.metadata.resource_version.unwrap_or_default();
-                        self.phase = Phase::Watch(rv);
-                        let observed = match list.items.first() {
-                            Some(obj) => Observed::Present(to_object(obj)),
-                            None => Observed::Absent,
-                        };
-                        if let Some(item) = self.report(observed) {
-                            return Some((item, self));
-                        }
+                        self.phase = Phase::Watch(rv.clone());
+                        let objects = list
+                            .items
+                            .iter()
+                            .map(|obj| (name_of(obj), to_object(obj)))
+                            .collect();
+                        return Some((Event::Listed { rv, objects }, self));
                     }
                     Err(e) => return Some((self.fail(e, Phase::List), self)),
                 },
@@ -123,16 +214,13 @@ impl Follow {
                     Ok(events) => {
                         self.backoff.working();
                         self.phase = Phase::Streaming {
-                            rv,
+                            rv: rv.clone(),
                             events: events.boxed(),
                             started: Instant::now(),
                         };
-                        // It works again: say so with the state it had, which still holds.
-                        if self.failing
-                            && let Some(last) = self.last.clone()
-                        {
-                            self.failing = false;
-                            return Some((Ok(last), self));
+                        // It works again: say so, as of the version it resumed from.
+                        if std::mem::take(&mut self.failing) {
+                            return Some((Event::Recovered { rv }, self));
                         }
                     }
                     Err(kube::Error::Api(s)) if s.code == 410 => self.phase = Phase::List,
@@ -144,14 +232,21 @@ impl Follow {
                     started,
                 } => match events.next().await {
                     Some(Ok(event)) => {
-                        let observed = match event {
+                        let event = match event {
                             WatchEvent::Added(obj) | WatchEvent::Modified(obj) => {
                                 rv = obj.metadata.resource_version.clone().unwrap_or(rv);
-                                Some(Observed::Present(to_object(&obj)))
+                                Some(Event::Applied {
+                                    rv: rv.clone(),
+                                    name: name_of(&obj),
+                                    object: to_object(&obj),
+                                })
                             }
                             WatchEvent::Deleted(obj) => {
                                 rv = obj.metadata.resource_version.clone().unwrap_or(rv);
-                                Some(Observed::Absent)
+                                Some(Event::Deleted {
+                                    rv: rv.clone(),
+                                    name: name_of(&obj),
+                                })
                             }
                             WatchEvent::Bookmark(b) => {
                                 rv = b.metadata.resource_version;
@@ -173,8 +268,8 @@ impl Follow {
                             events,
                             started,
                         };
-                        if let Some(item) = observed.and_then(|o| self.report(o)) {
-                            return Some((item, self));
+                        if let Some(event) = event {
+                            return Some((event, self));
                         }
                     }
                     Some(Err(e)) => return Some((self.fail(e, Phase::Watch(rv)), self)),
@@ -190,33 +285,14 @@ impl Follow {
         }
     }
 
-    /// The item reporting `observed`, unless it is older than what was reported (the same
-    /// object at a lower resourceVersion).
-    fn report(&mut self, observed: Observed) -> Option<Item> {
-        if let (Some(Observed::Present(last)), Observed::Present(now)) = (&self.last, &observed)
-            && last.uid == now.uid
-            && older(&now.resource_version, &last.resource_version)
-        {
-            tracing::debug!(
-                was = %last.resource_version,
-                now = %now.resource_version,
-                "an older state than the one reported; dropped"
-            );
-            return None;
-        }
-        self.failing = false;
-        self.last = Some(observed.clone());
-        Some(Ok(observed))
-    }
-
     /// Records a failure of the request in `retry`, to be retried after the backoff.
-    fn fail(&mut self, error: kube::Error, retry: Phase) -> Item {
+    fn fail(&mut self, error: kube::Error, retry: Phase) -> Event {
         let error = api_error(error, &self.what);
         let unreachable = matches!(error, SourceError::Unavailable(_));
         self.wait = Some((self.backoff.failed(), unreachable));
         self.phase = retry;
         self.failing = true;
-        Err(error)
+        Event::Failed(error)
     }
 }
 
@@ -232,7 +308,7 @@ async fn bounded<T>(request: impl Future<Output = kube::Result<T>>) -> kube::Res
 
 /// Whether resourceVersion `a` is older than `b`. They are opaque strings by contract, but
 /// integers (etcd revisions) on every API server; strings that are not are never called older.
-fn older(a: &str, b: &str) -> bool {
+pub(super) fn older(a: &str, b: &str) -> bool {
     match (a.parse::<u64>(), b.parse::<u64>()) {
         (Ok(a), Ok(b)) => a < b,
         _ => false,

@@ -18,10 +18,15 @@ use crate::cache::FlightCache;
 use crate::selector::{KindRef, Selector};
 
 mod follow;
+mod granularity;
 pub mod http;
 mod rights;
 
 pub use http::ApiHttp2;
+
+/// Names of one kind watched in one namespace above which one namespace watch replaces theirs
+/// (`--namespace-watch-threshold`; see ADR 0015 for the measurement behind it).
+pub const DEFAULT_NAMESPACE_WATCH_THRESHOLD: usize = 100;
 
 /// How long a discovery answer is trusted before it is asked again (the last one that worked is
 /// still used while asking fails).
@@ -74,6 +79,7 @@ pub struct Kubernetes {
     last_group_versions: Mutex<HashMap<String, Arc<GroupVersion>>>,
     discovery_ttl: Duration,
     recovery: Arc<Recovery>,
+    granularity: Arc<granularity::Granularity>,
 }
 
 /// A discovery answer with how long it may be served: `worked` when it worked, briefly when it
@@ -106,7 +112,15 @@ impl Kubernetes {
             last_groups: Mutex::new(None),
             last_group_versions: Mutex::new(HashMap::new()),
             discovery_ttl: DISCOVERY_TTL,
+            granularity: granularity::Granularity::new(DEFAULT_NAMESPACE_WATCH_THRESHOLD),
         }
+    }
+
+    /// As it is, replacing the watches of more than `threshold` names of one kind in one
+    /// namespace by one watch of the namespace (0: never), and going back below half of it.
+    pub fn with_namespace_watch_threshold(mut self, threshold: usize) -> Self {
+        self.granularity = granularity::Granularity::new(threshold);
+        self
     }
 
     /// As it is, serving only objects in `namespaces` (all, if empty), so that a Role in each
@@ -587,11 +601,26 @@ impl Source for Kubernetes {
     }
 
     fn watch(&self, selector: &Selector) -> BoxStream<'static, Result<Observed, SourceError>> {
-        follow::follow(
-            self.api(selector),
-            &selector.name,
-            selector.to_string(),
-            self.recovery.clone(),
-        )
+        let Some(namespace) = &selector.namespace else {
+            return follow::follow(
+                self.api(selector),
+                &selector.name,
+                selector.to_string(),
+                self.recovery.clone(),
+            );
+        };
+        let kind = &selector.kind;
+        self.granularity.watch(granularity::Watches {
+            namespace: self.api(selector),
+            name: selector.name.clone(),
+            what: selector.to_string(),
+            recovery: self.recovery.clone(),
+            key: (
+                kind.group.clone(),
+                kind.version.clone().unwrap_or_default(),
+                kind.resource.clone(),
+                namespace.clone(),
+            ),
+        })
     }
 }

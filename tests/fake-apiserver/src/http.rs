@@ -39,7 +39,12 @@ pub(crate) fn router(shared: Arc<Shared>) -> Router {
 
 /// Accepts connections until aborted: HTTP/1.1 in the clear, or TLS with ALPN choosing HTTP/2
 /// or HTTP/1.1. Aborting drops the listener and, with the join set, every connection.
-pub(crate) async fn serve(listener: TcpListener, router: Router, tls: Option<Tls>) {
+pub(crate) async fn serve(
+    listener: TcpListener,
+    router: Router,
+    tls: Option<Tls>,
+    sent: Arc<std::sync::atomic::AtomicU64>,
+) {
     let mut connections = JoinSet::new();
     loop {
         tokio::select! {
@@ -47,6 +52,7 @@ pub(crate) async fn serve(listener: TcpListener, router: Router, tls: Option<Tls
                 let Ok((stream, _)) = accepted else { continue };
                 // As Go's net/http (the real API server) does for every TCP connection.
                 let _ = stream.set_nodelay(true);
+                let stream = Counted { inner: stream, sent: sent.clone() };
                 let service = TowerToHyperService::new(router.clone());
                 let tls = tls.clone();
                 connections.spawn(async move {
@@ -80,6 +86,51 @@ where
         .timer(TokioTimer::new())
         .serve_connection(io, service)
         .await;
+}
+
+/// A connection that counts the bytes written to it.
+struct Counted {
+    inner: tokio::net::TcpStream,
+    sent: Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl tokio::io::AsyncRead for Counted {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.inner).poll_read(cx, buf)
+    }
+}
+
+impl tokio::io::AsyncWrite for Counted {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        let written = std::pin::Pin::new(&mut self.inner).poll_write(cx, buf);
+        if let std::task::Poll::Ready(Ok(n)) = &written {
+            self.sent
+                .fetch_add(*n as u64, std::sync::atomic::Ordering::Relaxed);
+        }
+        written
+    }
+
+    fn poll_flush(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
 }
 
 /// Decoded query parameters (empty pairs, as in kube-rs's `?&…`, are skipped).

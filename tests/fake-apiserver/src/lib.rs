@@ -110,6 +110,8 @@ pub(crate) struct Shared {
     hangs_released: watch::Sender<u64>,
     listener: Mutex<ListenerState>,
     tls: Option<tls::Tls>,
+    /// Bytes written to clients, over every connection.
+    sent: Arc<std::sync::atomic::AtomicU64>,
 }
 
 struct ListenerState {
@@ -148,6 +150,7 @@ impl Shared {
             listener,
             http::router(self.clone()),
             self.tls.clone(),
+            self.sent.clone(),
         ));
         let mut l = self.listener();
         l.addr = bound;
@@ -241,6 +244,7 @@ impl FakeApiServer {
                 accept: None,
             }),
             tls,
+            sent: Arc::default(),
         });
         let server = FakeApiServer {
             ticker: tokio::spawn(bookmark_ticker(
@@ -283,6 +287,11 @@ impl FakeApiServer {
             "http"
         };
         format!("{scheme}://{}", self.addr())
+    }
+
+    /// Bytes written to clients so far, over every connection (TLS and HTTP/2 framing included).
+    pub fn bytes_sent(&self) -> u64 {
+        self.shared.sent.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// The CA that signed the server's certificate (PEM), with TLS.
