@@ -28,6 +28,10 @@ pub struct Row {
     pub watches: usize,
     /// Seconds from the first Subscribe until every CR was watched.
     pub seconds: f64,
+    /// The broker's resident memory before the subscriptions and once every CR was watched.
+    pub rss_before_bytes: u64,
+    /// See `rss_before_bytes`.
+    pub rss_after_bytes: u64,
 }
 
 /// Every count.
@@ -88,6 +92,7 @@ async fn count(run: &Run, crs: usize, mode: &str) -> anyhow::Result<Row> {
     let channel = crate::clients::connections(target.grpc, 1, 1)
         .await?
         .remove(0);
+    let rss_before_bytes = target.rss();
     let started = Instant::now();
     let mut streams = Vec::new();
     let names: Vec<String> = (0..crs).map(name).collect();
@@ -114,6 +119,8 @@ async fn count(run: &Run, crs: usize, mode: &str) -> anyhow::Result<Row> {
         connections: connections_of(target.pid(), fake.addr().port()),
         watches: fake.open_watches(),
         seconds,
+        rss_before_bytes,
+        rss_after_bytes: target.rss(),
     };
     drop(streams);
     target.stop().await;

@@ -8,6 +8,7 @@ mod clients;
 mod connections;
 mod failover;
 mod granularity;
+mod plan;
 mod report;
 mod scenarios;
 mod soak;
@@ -42,6 +43,9 @@ enum Command {
     /// checked: every subscriber on its CR's final state within 5 s of the last write, one
     /// watch per CR, none left, no leaked tasks, bounded memory, no readiness flaps.
     Soak(soak::SoakArgs),
+    /// What a fleet costs the brokers and the API server, from the per-unit costs measured
+    /// here, and which limit a replica meets first (docs/capacity.md).
+    Plan(plan::PlanArgs),
 }
 
 /// What to run.
@@ -140,6 +144,10 @@ fn main() -> anyhow::Result<()> {
     match cli.command {
         Some(Command::Bare { addr }) => runtime.block_on(bare::run(addr)),
         Some(Command::Soak(args)) => runtime.block_on(soak::soak(args)),
+        Some(Command::Plan(args)) => {
+            print!("{}", plan::render(&args, &plan::plan(&args)));
+            Ok(())
+        }
         None => {
             let run = if cli.run.smoke {
                 cli.run.smoke()

@@ -343,11 +343,17 @@ pub fn markdown(r: &Results) -> String {
         s += "\n";
     }
     if let Some(c) = &r.connections {
-        s += "### TCP connections to the API server\n\nThe fake over TLS with 100 streams per HTTP/2 connection; counted from the broker's sockets once every CR was watched.\n\n| CRs | `--api-http2` | connections | watches | all watched after |\n|---:|---|---:|---:|---:|\n";
+        s += "### TCP connections to the API server\n\nThe fake over TLS with 100 streams per HTTP/2 connection; counted from the broker's sockets once every CR was watched.\n\n| CRs | `--api-http2` | connections | watches | all watched after | broker memory before → after |\n|---:|---|---:|---:|---:|---:|\n";
         for row in &c.rows {
             s += &format!(
-                "| {} | {} | {} | {} | {:.2} s |\n",
-                row.crs, row.api_http2, row.connections, row.watches, row.seconds
+                "| {} | {} | {} | {} | {:.2} s | {:.1} → {:.1} MiB |\n",
+                row.crs,
+                row.api_http2,
+                row.connections,
+                row.watches,
+                row.seconds,
+                row.rss_before_bytes as f64 / 1048576.0,
+                row.rss_after_bytes as f64 / 1048576.0
             );
         }
         s += "\n";
