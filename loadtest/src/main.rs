@@ -5,6 +5,7 @@
 
 mod bare;
 mod clients;
+mod coldstart;
 mod connections;
 mod failover;
 mod granularity;
@@ -57,7 +58,8 @@ pub struct Run {
     /// `stalled` (readers that never read, under large updates), `failover` (replicas SIGKILLed
     /// under load, then a restart storm on a fresh replica), `connections` (TCP connections to
     /// the API server for 100, 1,000 and 5,000 CRs, HTTP/1.1 and HTTP/2), `granularity`
-    /// (per-object watches against one namespace watch), or `all`.
+    /// (per-object watches against one namespace watch), `coldstart` (a cold subscribe's first
+    /// message against one LIST + WATCH on the same API server), or `all`.
     #[arg(long, value_delimiter = ',', default_value = "all")]
     pub scenario: Vec<String>,
     /// A tiny configuration of every scenario (a few seconds), for CI.

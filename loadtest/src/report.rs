@@ -8,6 +8,7 @@ use anyhow::Context;
 use serde::Serialize;
 
 use crate::Run;
+use crate::coldstart::ColdStart;
 use crate::connections::Connections;
 use crate::failover::Failover;
 use crate::granularity::Granularity;
@@ -104,6 +105,8 @@ pub struct Results {
     pub connections: Option<Connections>,
     /// Per-object watches against one namespace watch.
     pub granularity: Option<Granularity>,
+    /// A cold subscribe against one LIST + WATCH.
+    pub coldstart: Option<ColdStart>,
     /// Broker ÷ bare.
     pub ratios: Ratios,
 }
@@ -146,6 +149,7 @@ impl Results {
             failover: None,
             connections: None,
             granularity: None,
+            coldstart: None,
             ratios: Ratios::default(),
         }
     }
@@ -324,6 +328,21 @@ pub fn markdown(r: &Results) -> String {
             st.watches_per_cr.1,
             st.open_watches,
             st.errors
+        );
+    }
+    if let Some(c) = &r.coldstart {
+        s += &format!(
+            "### Cold start\n\nA cold subscribe's first message against one LIST and the start of one WATCH by a kube-rs client on the same API server (p50 / p99 ms).\n\n| | cold subscribe | LIST + WATCH | ratio of medians |\n|---|---:|---:|---:|\n| one at a time | {} / {} | {} / {} | {:.2} |\n| 100 at once | {} / {} | {} / {} | {:.2} |\n\n",
+            c.broker_alone.p50_ms,
+            c.broker_alone.p99_ms,
+            c.list_watch_alone.p50_ms,
+            c.list_watch_alone.p99_ms,
+            c.ratio_alone,
+            c.broker_at_once.p50_ms,
+            c.broker_at_once.p99_ms,
+            c.list_watch_at_once.p50_ms,
+            c.list_watch_at_once.p99_ms,
+            c.ratio_at_once
         );
     }
     if let Some(g) = &r.granularity {

@@ -1212,6 +1212,13 @@ pub async fn run_all(run: Run) -> anyhow::Result<()> {
                 .context("the failover scenario")?,
         );
     }
+    if run.wants("coldstart") {
+        results.coldstart = Some(
+            crate::coldstart::coldstart(&run)
+                .await
+                .context("the cold-start scenario")?,
+        );
+    }
     if run.wants("granularity") {
         results.granularity = Some(
             crate::granularity::granularity(&run)

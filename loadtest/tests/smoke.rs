@@ -147,6 +147,11 @@ fn the_smoke_configuration_runs_every_scenario_and_loses_nothing() {
         Some(4),
         "4 of 20 watched: a watch per name, not every object's events"
     );
+    let cold = &results["coldstart"];
+    for ratio in ["ratio_alone", "ratio_at_once"] {
+        assert!(cold[ratio].as_f64().is_some_and(|r| r > 0.0), "{cold}");
+    }
+    assert_eq!(cold["broker_at_once"]["count"], 100, "{cold}");
     let cost = &identity["cost"];
     assert_eq!(cost["errors"], 0, "{cost}");
     for phase in ["by_pod", "interleaved"] {
