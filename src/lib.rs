@@ -35,6 +35,7 @@ pub mod cache;
 pub mod cli;
 pub mod conn;
 pub mod grpc;
+pub mod labels;
 pub mod ops;
 pub mod registry;
 pub mod selector;

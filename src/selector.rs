@@ -164,7 +164,7 @@ impl KindRef {
     }
 
     /// Parses `<resource>[.<version>].<group>`; `input` is quoted in errors.
-    fn parse_in(text: &str, input: &str) -> Result<KindRef, ParseError> {
+    pub(crate) fn parse_in(text: &str, input: &str) -> Result<KindRef, ParseError> {
         let missing_group = || {
             bad_part(
                 input,

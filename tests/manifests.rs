@@ -302,3 +302,38 @@ async fn files_over_the_size_or_nesting_limits_are_refused_with_the_reason() {
         broker.registry.source().problems()
     );
 }
+
+#[tokio::test]
+async fn a_set_of_manifests_follows_the_files_by_their_labels() {
+    let labelled = |name: &str, app: &str, variant: &str| {
+        flag_yaml(name, variant).replace(
+            &format!("  name: {name}\n"),
+            &format!("  name: {name}\n  labels:\n    app: {app}\n"),
+        )
+    };
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), "crd.yaml", CRD);
+    write(dir.path(), "a.yaml", &labelled("a", "checkout", "a"));
+    write(dir.path(), "b.yaml", &labelled("b", "cart", "a"));
+    let broker = broker(dir.path()).await;
+    let mut client = connect(broker.addr).await;
+    let target: crd_broker::cli::subscribe::Target =
+        "featureflags.core.openfeature.dev/default?labelSelector=app%3Dcheckout"
+            .parse()
+            .unwrap();
+    let mut s = client
+        .subscribe(crd_broker::cli::subscribe::request_for(&[target]))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(is(&next(&mut s).await, Event::Snapshot, "a"));
+    assert_eq!(next(&mut s).await.event(), Event::Synced);
+    write(dir.path(), "a.yaml", &labelled("a", "checkout", "b"));
+    assert!(is(&next(&mut s).await, Event::Updated, "b"));
+    write(dir.path(), "b.yaml", &labelled("b", "checkout", "c"));
+    assert!(is(&next(&mut s).await, Event::Added, "c"));
+    write(dir.path(), "a.yaml", &labelled("a", "cart", "b"));
+    let left = next(&mut s).await;
+    assert_eq!(left.event(), Event::Deleted);
+    assert!(left.selector.ends_with("/default/a"), "{}", left.selector);
+}

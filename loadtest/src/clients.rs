@@ -121,6 +121,7 @@ pub fn subscribe_request(name: &str) -> pb::SubscribeRequest {
             resource: "featureflags".into(),
             namespace: "default".into(),
             name: name.to_string(),
+            ..Default::default()
         }],
     }
 }

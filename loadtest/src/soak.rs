@@ -207,6 +207,7 @@ async fn subscriber(subs: Arc<Subscribers>, i: usize, channel: Channel) {
                 resource: "featureflags".into(),
                 namespace: "default".into(),
                 name: cr.clone(),
+                ..Default::default()
             }],
         };
         if let Ok(response) = client.subscribe(request).await {
@@ -221,7 +222,7 @@ async fn subscriber(subs: Arc<Subscribers>, i: usize, channel: Channel) {
                         held.rv = m.resource_version.parse().unwrap_or(0);
                     }
                     Event::Deleted | Event::Absent => held.present = false,
-                    Event::Failed | Event::Unspecified => {}
+                    Event::Failed | Event::Unspecified | Event::Added | Event::Synced => {}
                 }
             }
         }

@@ -13,7 +13,7 @@ use tokio::net::{TcpListener, UnixListener};
 
 use crate::access::{self, IdentityList, limits};
 use crate::broker::{self, Listeners, Running};
-use crate::selector::{KindRef, Selector};
+use crate::selector::KindRef;
 use crate::source::Source;
 use crate::source::kubernetes::{ApiHttp2, Kubernetes};
 use crate::source::manifests::Manifests;
@@ -294,9 +294,11 @@ pub struct SubscribeArgs {
     #[arg(long, short = 'o', env = "CRD_BROKER_OUTPUT", value_enum, default_value_t = Output::Text)]
     pub output: Output,
     /// Resources, as <resource>[.<version>].<group>/<namespace>/<name>
-    /// (e.g. featureflags.core.openfeature.dev/default/demo).
+    /// (e.g. featureflags.core.openfeature.dev/default/demo), or one set, as
+    /// <resource>[.<version>].<group>/<namespace>?labelSelector=<URL-encoded selector>
+    /// (e.g. featureflags.core.openfeature.dev/default?labelSelector=app%3Dcheckout).
     #[arg(required = true, value_name = "SELECTOR")]
-    pub selectors: Vec<Selector>,
+    pub selectors: Vec<subscribe::Target>,
 }
 
 impl Cli {

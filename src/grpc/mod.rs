@@ -25,6 +25,7 @@ use crate::telemetry::{
 pub mod flagd;
 pub mod frame;
 mod messages;
+mod sets;
 
 use frame::Frame;
 use messages::{End, Messages, Next};
@@ -162,6 +163,7 @@ pub struct BrokerService<S> {
     registry: Registry<S>,
     access: Arc<Access>,
     shutdown: CancellationToken,
+    sets: Arc<sets::Sets>,
 }
 
 impl<S: Source> BrokerService<S> {
@@ -172,7 +174,58 @@ impl<S: Source> BrokerService<S> {
             registry,
             access,
             shutdown,
+            sets: Arc::default(),
         }
+    }
+
+    /// Serves a request naming a set (`resources[0]` with no name).
+    async fn subscribe_set(
+        &self,
+        caller: &Caller,
+        drain: ConnDrain,
+        r: &pb::ResourceRef,
+    ) -> Result<Response<BoxStream<'static, Result<Frame, Status>>>, Status> {
+        let labels: crate::labels::LabelSelector =
+            r.label_selector.parse().map_err(|e: String| {
+                Status::invalid_argument(format!("resources[0].label_selector: {e}"))
+            })?;
+        let probe = to_selector(
+            0,
+            &pb::ResourceRef {
+                name: "set".into(),
+                ..r.clone()
+            },
+        )?;
+        self.access
+            .precheck(caller, &probe)
+            .map_err(|s| indexed(0, s))?;
+        let canonical = self
+            .registry
+            .resolve(&probe)
+            .await
+            .map_err(|e| source_status(0, &e))?;
+        self.access
+            .authorize(caller, &canonical)
+            .map_err(|s| indexed(0, s))?;
+        let set = crate::source::Set {
+            kind: canonical.kind.clone(),
+            namespace: canonical.namespace.clone(),
+            labels,
+        };
+        let ticket = self.access.admit(caller, &[canonical], 1)?;
+        let members = self
+            .sets
+            .subscribe(self.registry.source(), &set, self.registry.linger());
+        let revoked = ticket.revoked();
+        let ends = async move {
+            let _ticket = ticket;
+            tokio::select! {
+                _ = drain.token().cancelled() => drained(drain.reason()),
+                status = revoked => status,
+            }
+        };
+        tracing::debug!(%set, %caller, "set subscribed");
+        Ok(Response::new(sets::stream(set, members, 0, ends)))
     }
 
     /// The tonic server for this service.
@@ -193,6 +246,24 @@ impl<S: Source> Broker for BrokerService<S> {
         let drain = drain_of(&request, &self.shutdown);
         let caller = Caller::of(request.extensions());
         let resources = request.into_inner().resources;
+        if resources.len() > 1
+            && let Some(i) = resources.iter().position(|r| r.name.is_empty())
+        {
+            return Err(Status::invalid_argument(format!(
+                "resources[{i}] names a set (no name): a set must be the only resource of its request"
+            )));
+        }
+        if let Some(i) = resources
+            .iter()
+            .position(|r| !r.name.is_empty() && !r.label_selector.is_empty())
+        {
+            return Err(Status::invalid_argument(format!(
+                "resources[{i}] has a name and a label_selector: a label selector names a set, with the name left empty"
+            )));
+        }
+        if resources.len() == 1 && resources[0].name.is_empty() {
+            return self.subscribe_set(&caller, drain, &resources[0]).await;
+        }
         if resources.is_empty() {
             return Err(Status::invalid_argument(
                 "SubscribeRequest.resources is empty: name at least one resource (group, resource, namespace, name)",

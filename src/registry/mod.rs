@@ -272,6 +272,11 @@ impl<S: Source> Registry<S> {
         &self.inner.source
     }
 
+    /// How long a watch lingers after its last subscriber leaves.
+    pub fn linger(&self) -> Duration {
+        self.inner.linger
+    }
+
     /// Resolves a selector to its canonical form through the source.
     pub async fn resolve(&self, selector: &Selector) -> Result<Selector, SourceError> {
         self.inner.source.resolve(selector).await

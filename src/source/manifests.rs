@@ -26,7 +26,7 @@ use serde_json::value::RawValue;
 use serde_json::{Value, json};
 use tokio::sync::watch;
 
-use super::{KindNames, Object, Observed, Source, SourceError, lock};
+use super::{KindNames, Object, Observed, Set, SetEvent, Source, SourceError, lock};
 use crate::selector::{KindRef, Selector};
 
 /// One kind a CRD in the directory defines.
@@ -153,6 +153,31 @@ impl Catalog {
         self.kinds
             .iter()
             .find(|k| k.names.group == group && k.names.answers_to(resource))
+    }
+
+    /// The objects of `set`, by name.
+    fn members(&self, set: &Set) -> Vec<(String, Object)> {
+        let namespace = set.namespace.clone().unwrap_or_default();
+        let mut members: Vec<(String, Object)> = self
+            .objects
+            .iter()
+            .filter(|((group, plural, ns, _), _)| {
+                *group == set.kind.group && *plural == set.kind.resource && *ns == namespace
+            })
+            .filter_map(|((_, _, _, name), _)| {
+                let Observed::Present(object) = self.lookup(&set.member(name)) else {
+                    return None;
+                };
+                let labels: BTreeMap<String, String> =
+                    serde_json::from_slice::<Value>(&object.json)
+                        .ok()
+                        .and_then(|v| serde_json::from_value(v["metadata"]["labels"].clone()).ok())
+                        .unwrap_or_default();
+                set.labels.matches(&labels).then(|| (name.clone(), object))
+            })
+            .collect();
+        members.sort_by(|a, b| a.0.cmp(&b.0));
+        members
     }
 
     fn lookup(&self, selector: &Selector) -> Observed {
@@ -291,6 +316,24 @@ impl Source for Manifests {
             Some(why) => Err(why),
             None => Ok(()),
         }
+    }
+
+    /// The set's members after every change to the directory (the stream's reader tells the
+    /// changes apart).
+    fn watch_set(&self, set: &Set) -> BoxStream<'static, SetEvent> {
+        let set = set.clone();
+        let rx = self.catalog.clone();
+        stream::unfold((rx, true), move |(mut rx, first)| {
+            let set = set.clone();
+            async move {
+                if !first && rx.changed().await.is_err() {
+                    return None;
+                }
+                let members = rx.borrow_and_update().members(&set);
+                Some((SetEvent::Listed(members), (rx, false)))
+            }
+        })
+        .boxed()
     }
 
     fn watch(&self, selector: &Selector) -> BoxStream<'static, Result<Observed, SourceError>> {

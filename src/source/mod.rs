@@ -8,6 +8,7 @@ use bytes::Bytes;
 use futures::stream::BoxStream;
 use serde_json::Value;
 
+use crate::labels::LabelSelector;
 use crate::selector::{KindRef, Selector};
 
 pub mod kubernetes;
@@ -102,6 +103,57 @@ pub fn not_allowed(kind: &str, allowed: &[KindRef]) -> SourceError {
     ))
 }
 
+/// A set of objects: those of a kind in a namespace (or, for a cluster-scoped kind, all of them)
+/// that a label selector selects.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Set {
+    /// The kind, resolved (plural and version filled in).
+    pub kind: KindRef,
+    /// The namespace; `None` for a cluster-scoped kind.
+    pub namespace: Option<String>,
+    /// Which of its objects.
+    pub labels: LabelSelector,
+}
+
+impl Set {
+    /// The canonical selector of the member `name`.
+    pub fn member(&self, name: &str) -> Selector {
+        Selector {
+            kind: self.kind.clone(),
+            namespace: self.namespace.clone(),
+            name: name.to_string(),
+        }
+    }
+}
+
+impl std::fmt::Display for Set {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.kind)?;
+        if let Some(ns) = &self.namespace {
+            write!(f, "/{ns}")?;
+        }
+        if !self.labels.is_empty() {
+            write!(f, "?labelSelector={}", self.labels)?;
+        }
+        Ok(())
+    }
+}
+
+/// What a source saw of a set, by member name.
+#[derive(Debug, Clone)]
+pub enum SetEvent {
+    /// Every member now.
+    Listed(Vec<(String, Object)>),
+    /// A member created or changed (or come to match).
+    Applied(String, Object),
+    /// A member deleted (or no longer matching).
+    Deleted(String),
+    /// The source failed; it retries by itself.
+    Failed(SourceError),
+    /// It works again after failures; what was listed still holds.
+    Recovered,
+}
+
 /// A source of custom resources.
 pub trait Source: Send + Sync + 'static {
     /// Resolves a selector to its canonical form — the plural and the version filled in —
@@ -119,6 +171,16 @@ pub trait Source: Send + Sync + 'static {
     /// Checks that the source answers and lets the broker read the kinds it serves; `Err` says
     /// what is wrong. Run in the background for readiness, never per probe.
     fn check(&self) -> impl Future<Output = Result<(), String>> + Send;
+
+    /// Watches a set: its members when it starts, then each change, retrying by itself until
+    /// dropped. Sources that serve no sets say so once.
+    fn watch_set(&self, set: &Set) -> BoxStream<'static, SetEvent> {
+        let why = format!("this source serves single resources only, not sets such as {set}");
+        futures::StreamExt::boxed(futures::StreamExt::chain(
+            futures::stream::once(async move { SetEvent::Failed(SourceError::NotAllowed(why)) }),
+            futures::stream::pending(),
+        ))
+    }
 }
 
 /// Names a kind has: what a selector's resource part may be.

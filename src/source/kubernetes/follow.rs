@@ -59,11 +59,12 @@ pub(super) enum Event {
     Recovered { rv: String },
 }
 
-/// Follows a collection through `api`: the objects `field` selects (all, if `None`); `what`
-/// names it in errors.
+/// Follows a collection through `api`: the objects `field` and `labels` select (all, if
+/// `None`); `what` names it in errors.
 pub(super) fn events(
     api: Api<DynamicObject>,
     field: Option<String>,
+    labels: Option<String>,
     what: String,
     recovery: Arc<Recovery>,
 ) -> BoxStream<'static, Event> {
@@ -72,6 +73,10 @@ pub(super) fn events(
     if let Some(field) = &field {
         list = list.fields(field);
         watch = watch.fields(field);
+    }
+    if let Some(labels) = &labels {
+        list = list.labels(labels);
+        watch = watch.labels(labels);
     }
     let state = Follow {
         list,
@@ -101,7 +106,7 @@ pub(super) fn follow_seen(
 ) -> BoxStream<'static, Seen> {
     let field = format!("metadata.name={name}");
     let mut last: Option<Observed> = None;
-    events(api, Some(field), what, recovery)
+    events(api, Some(field), None, what, recovery)
         .filter_map(move |event| {
             let seen = match event {
                 Event::Listed { rv, objects } => {

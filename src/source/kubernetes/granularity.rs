@@ -191,6 +191,7 @@ impl Granularity {
             let events = follow::events(
                 w.namespace.clone(),
                 None,
+                None,
                 format!("{} in namespace {}", w.key.2, w.key.3),
                 w.recovery.clone(),
             );

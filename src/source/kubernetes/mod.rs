@@ -13,7 +13,7 @@ use kube::core::{ApiResource, GroupVersionKind};
 use tokio::time::Instant;
 
 use super::retry::Recovery;
-use super::{KindNames, Object, Observed, Source, SourceError, lock};
+use super::{KindNames, Object, Observed, Set, SetEvent, Source, SourceError, lock};
 use crate::cache::FlightCache;
 use crate::selector::{KindRef, Selector};
 
@@ -598,6 +598,27 @@ impl Source for Kubernetes {
             }
         }
         Ok(())
+    }
+
+    fn watch_set(&self, set: &Set) -> BoxStream<'static, SetEvent> {
+        use futures::StreamExt;
+        let labels = Some(set.labels.to_string()).filter(|l| !l.is_empty());
+        let events = follow::events(
+            self.api(&set.member("")),
+            None,
+            labels,
+            set.to_string(),
+            self.recovery.clone(),
+        );
+        events
+            .map(|event| match event {
+                follow::Event::Listed { objects, .. } => SetEvent::Listed(objects),
+                follow::Event::Applied { name, object, .. } => SetEvent::Applied(name, object),
+                follow::Event::Deleted { name, .. } => SetEvent::Deleted(name),
+                follow::Event::Failed(error) => SetEvent::Failed(error),
+                follow::Event::Recovered { .. } => SetEvent::Recovered,
+            })
+            .boxed()
     }
 
     fn watch(&self, selector: &Selector) -> BoxStream<'static, Result<Observed, SourceError>> {

@@ -1,0 +1,171 @@
+//! Sets on the native API: a kind's objects in a namespace that a label selector selects. The
+//! stream starts with a SNAPSHOT of each member, then SYNCED, then ADDED, UPDATED and DELETED per
+//! member; subscribers of one set share one watch; a malformed selector is INVALID_ARGUMENT.
+
+mod support;
+
+use std::time::Duration;
+
+use crd_broker::cli::subscribe::{Target, request_for};
+use crd_broker::pb;
+use crd_broker::pb::subscribe_response::Event;
+use serde_json::json;
+use support::*;
+use tonic::Code;
+
+fn labelled(name: &str, app: &str) -> serde_json::Value {
+    let mut flag = flag(name, "on");
+    flag["metadata"]["labels"] = json!({ "app": app });
+    flag
+}
+
+fn set(selector: &str) -> pb::SubscribeRequest {
+    let target: Target =
+        format!("featureflags.core.openfeature.dev/default?labelSelector={selector}")
+            .parse()
+            .unwrap();
+    request_for(&[target])
+}
+
+/// The next response's event and member name.
+async fn seen(s: &mut tonic::Streaming<pb::SubscribeResponse>) -> (Event, String) {
+    let r = next(s).await;
+    let name = r
+        .selector
+        .rsplit('/')
+        .next()
+        .unwrap_or_default()
+        .to_string();
+    (r.event(), name)
+}
+
+fn relabel(app: &str) -> serde_json::Value {
+    json!({ "metadata": { "labels": { "app": app } } })
+}
+
+#[tokio::test]
+async fn a_set_streams_its_members_then_synced_then_each_change() {
+    let h = start(Duration::ZERO).await;
+    for (name, app) in [("b", "checkout"), ("a", "checkout"), ("c", "cart")] {
+        h.fake.apply(labelled(name, app)).unwrap();
+    }
+    let mut client = h.client().await;
+    let mut s = client
+        .subscribe(set("app%3Dcheckout"))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(seen(&mut s).await, (Event::Snapshot, "a".into()));
+    assert_eq!(seen(&mut s).await, (Event::Snapshot, "b".into()));
+    let synced = next(&mut s).await;
+    assert_eq!(synced.event(), Event::Synced);
+    assert_eq!(
+        synced.selector,
+        "featureflags.v1beta1.core.openfeature.dev/default?labelSelector=app=checkout"
+    );
+    h.fake.apply(labelled("d", "checkout")).unwrap();
+    assert_eq!(seen(&mut s).await, (Event::Added, "d".into()));
+    h.fake
+        .merge_patch(GV, "featureflags", "default", "a", variant_patch("off"))
+        .unwrap();
+    let updated = next(&mut s).await;
+    assert_eq!(
+        (updated.event(), variant(&updated)),
+        (Event::Updated, "off".into())
+    );
+    // An object that stops matching leaves the set; one that starts matching joins it.
+    h.fake
+        .merge_patch(GV, "featureflags", "default", "b", relabel("cart"))
+        .unwrap();
+    assert_eq!(seen(&mut s).await, (Event::Deleted, "b".into()));
+    h.fake
+        .merge_patch(GV, "featureflags", "default", "c", relabel("checkout"))
+        .unwrap();
+    assert_eq!(seen(&mut s).await, (Event::Added, "c".into()));
+    h.fake.delete(GV, "featureflags", "default", "a").unwrap();
+    let deleted = next(&mut s).await;
+    assert_eq!(deleted.event(), Event::Deleted);
+    assert_eq!(variant(&deleted), "off", "the last state it had");
+}
+
+#[tokio::test]
+async fn subscribers_of_one_set_share_one_watch_with_its_label_selector() {
+    let h = start(Duration::ZERO).await;
+    h.fake.apply(labelled("a", "checkout")).unwrap();
+    let mut client = h.client().await;
+    let mut streams = Vec::new();
+    // The same set, written two ways.
+    for selector in ["app%3Dcheckout", "app+%3D%3D+checkout"] {
+        let mut s = client.subscribe(set(selector)).await.unwrap().into_inner();
+        assert_eq!(seen(&mut s).await, (Event::Snapshot, "a".into()));
+        assert_eq!(next(&mut s).await.event(), Event::Synced);
+        streams.push(s);
+    }
+    let labelled_watches = || {
+        h.fake
+            .watches()
+            .iter()
+            .filter(|w| w.label_selector == "app=checkout")
+            .count()
+    };
+    eventually("one watch for the set", WAIT, async || {
+        labelled_watches() == 1
+    })
+    .await;
+    drop(streams);
+    eventually("no watch once both left", WAIT, async || {
+        h.fake.open_watches() == 0
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_set_of_nothing_yet_is_synced_at_once_and_fills_later() {
+    let h = start(Duration::ZERO).await;
+    let mut client = h.client().await;
+    let mut s = client
+        .subscribe(set("app%3Dlater"))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(next(&mut s).await.event(), Event::Synced);
+    h.fake.apply(labelled("x", "later")).unwrap();
+    assert_eq!(seen(&mut s).await, (Event::Added, "x".into()));
+}
+
+#[tokio::test]
+async fn malformed_sets_are_invalid_arguments_naming_the_fault() {
+    let h = start(Duration::ZERO).await;
+    let mut client = h.client().await;
+    for (selector, needle) in [
+        ("app%20in%20(a", "unclosed '('"),
+        ("-app%3Dx", "label key"),
+        ("app%3D-x", "label value"),
+    ] {
+        let status = client.subscribe(set(selector)).await.unwrap_err();
+        assert_status(&status, Code::InvalidArgument, needle);
+        assert_status(&status, Code::InvalidArgument, "label_selector");
+    }
+    let mut mixed = set("app%3Dx");
+    mixed
+        .resources
+        .push(request(&[&demo("demo")]).resources.remove(0));
+    let status = client.subscribe(mixed).await.unwrap_err();
+    assert_status(
+        &status,
+        Code::InvalidArgument,
+        "only resource of its request",
+    );
+    let mut named = request(&[&demo("demo")]);
+    named.resources[0].label_selector = "app=x".into();
+    let status = client.subscribe(named).await.unwrap_err();
+    assert_status(
+        &status,
+        Code::InvalidArgument,
+        "a label selector names a set",
+    );
+    // The broker serves everyone else meanwhile.
+    h.fake.apply(flag("demo", "on")).unwrap();
+    let mut s = subscribe(&mut client, &[&demo("demo")]).await;
+    assert_eq!(next(&mut s).await.event(), Event::Snapshot);
+}
