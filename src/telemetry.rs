@@ -290,6 +290,9 @@ pub struct Metrics {
     /// Tasks alive on the async runtime (set at each scrape): a number that grows without
     /// bound is a leak.
     pub runtime_tasks: Gauge,
+    /// Flag keys defined by more than one FeatureFlag of a set served to flagd clients (the
+    /// first, in name order, is kept).
+    pub flag_conflicts: Counter,
 }
 
 fn latency_histogram() -> Histogram {
@@ -317,6 +320,7 @@ impl Default for Metrics {
             policy_reloads: Family::default(),
             source_stale_seconds: Gauge::default(),
             runtime_tasks: Gauge::default(),
+            flag_conflicts: Counter::default(),
             registry: Registry::default(),
         };
         registry.register(
@@ -354,6 +358,11 @@ impl Default for Metrics {
             "first_message_seconds",
             "Seconds from a subscribe to its first message, per resource",
             m.first_message_seconds.clone(),
+        );
+        registry.register(
+            "flag_conflicts",
+            "Flag keys defined by more than one FeatureFlag of a set served to flagd clients; the first in name order is kept",
+            m.flag_conflicts.clone(),
         );
         registry.register(
             "limit_hits",

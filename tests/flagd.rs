@@ -507,3 +507,97 @@ async fn start_takes_identity_and_policy_as_flags_or_variables() {
         .unwrap_err();
     assert_eq!(status.code(), Code::Unauthenticated, "{}", status.message());
 }
+
+/// A FeatureFlag labelled `app` whose flags are `keys`, each with `variant` as default.
+fn labelled_flags(name: &str, app: &str, keys: &[&str], variant: &str) -> Value {
+    let flags: serde_json::Map<String, Value> = keys
+        .iter()
+        .map(|k| {
+            (
+                k.to_string(),
+                serde_json::json!({ "state": "ENABLED", "variants": { "on": true, "off": false }, "defaultVariant": variant }),
+            )
+        })
+        .collect();
+    serde_json::json!({
+        "apiVersion": GV, "kind": "FeatureFlag",
+        "metadata": { "name": name, "namespace": "default", "labels": { "app": app } },
+        "spec": { "flagSpec": { "flags": flags } },
+    })
+}
+
+#[tokio::test]
+async fn a_set_selector_serves_the_merged_flags_of_its_feature_flags_in_name_order() {
+    let h = start(Duration::ZERO).await;
+    h.fake
+        .apply(labelled_flags("b", "checkout", &["y", "z"], "off"))
+        .unwrap();
+    h.fake
+        .apply(labelled_flags("a", "checkout", &["x", "y"], "on"))
+        .unwrap();
+    h.fake
+        .apply(labelled_flags("c", "cart", &["w"], "on"))
+        .unwrap();
+    let set = "core.openfeature.dev/default?labelSelector=app%3Dcheckout";
+    let mut client = flagd_client(&h).await;
+    let mut s = client
+        .sync_flags(sync_request(Some(set), ""))
+        .await
+        .unwrap()
+        .into_inner();
+    let merged = config(&mut s).await;
+    let keys: Vec<&String> = merged["flags"].as_object().unwrap().keys().collect();
+    assert_eq!(keys, ["x", "y", "z"], "{merged}");
+    assert_eq!(
+        merged["flags"]["y"]["defaultVariant"], "on",
+        "a's y: the first in name order"
+    );
+    assert_eq!(
+        h.broker.registry.metrics().flag_conflicts.get(),
+        1,
+        "one conflict counted"
+    );
+    // A change to a member, and a FeatureFlag joining the set, give new merged configurations.
+    h.fake
+        .merge_patch(GV, "featureflags", "default", "b", serde_json::json!({ "spec": { "flagSpec": { "flags": { "z": { "defaultVariant": "on" } } } } }))
+        .unwrap();
+    assert_eq!(config(&mut s).await["flags"]["z"]["defaultVariant"], "on");
+    h.fake
+        .merge_patch(
+            GV,
+            "featureflags",
+            "default",
+            "c",
+            serde_json::json!({ "metadata": { "labels": { "app": "checkout" } } }),
+        )
+        .unwrap();
+    assert!(config(&mut s).await["flags"]["w"].is_object());
+    let fetched: Value = serde_json::from_str(
+        &client
+            .fetch_all_flags(flagd::FetchAllFlagsRequest {
+                provider_id: String::new(),
+                selector: set.into(),
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .flag_configuration,
+    )
+    .unwrap();
+    assert_eq!(
+        fetched["flags"].as_object().unwrap().len(),
+        4,
+        "w, x, y, z: {fetched}"
+    );
+    for bad in [
+        "core.openfeature.dev/default?labelSelector=app%20in%20(x",
+        "core.openfeature.dev?labelSelector=app%3Dx",
+        "core.openfeature.dev/default/extra?labelSelector=app%3Dx",
+    ] {
+        let status = client
+            .sync_flags(sync_request(Some(bad), ""))
+            .await
+            .unwrap_err();
+        assert_eq!(status.code(), Code::InvalidArgument, "{bad}: {status:?}");
+    }
+}

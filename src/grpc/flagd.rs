@@ -43,7 +43,7 @@ const FETCH_WAIT: Duration = Duration::from_secs(5);
 const PREFIX: &str = "core.openfeature.dev/";
 
 /// The accepted selector forms, for error messages.
-const FORMS: &str = "core.openfeature.dev/<namespace>/<name> (a FeatureFlag), in the flagd-selector header or the request's selector field";
+const FORMS: &str = "core.openfeature.dev/<namespace>/<name> (a FeatureFlag) or core.openfeature.dev/<namespace>?labelSelector=<URL-encoded selector> (the merged flags of a set), in the flagd-selector header or the request's selector field";
 
 /// Which of the two flagd protocols a stream speaks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -109,6 +109,116 @@ pub fn flag_configuration(object_json: &[u8]) -> String {
     }
 }
 
+/// The merged flag configuration of a set's FeatureFlags, in name order: each flag key (and
+/// `$evaluators` key) from the first FeatureFlag that defines it; the keys that a later one
+/// defined again.
+pub fn merged_configuration<'a>(
+    objects: impl IntoIterator<Item = &'a crate::source::Object>,
+) -> (String, Vec<String>) {
+    let mut flags = serde_json::Map::new();
+    let mut evaluators = serde_json::Map::new();
+    let mut conflicts = Vec::new();
+    for object in objects {
+        let spec: Value =
+            serde_json::from_str(&flag_configuration(&object.json)).unwrap_or_default();
+        for (field, into) in [("flags", &mut flags), ("$evaluators", &mut evaluators)] {
+            for (key, value) in spec[field].as_object().into_iter().flatten() {
+                if into.contains_key(key) {
+                    conflicts.push(format!("{field}.{key}"));
+                } else {
+                    into.insert(key.clone(), value.clone());
+                }
+            }
+        }
+    }
+    let mut config = serde_json::Map::new();
+    config.insert("flags".into(), Value::Object(flags));
+    if !evaluators.is_empty() {
+        config.insert("$evaluators".into(), Value::Object(evaluators));
+    }
+    (Value::Object(config).to_string(), conflicts)
+}
+
+/// The merged configuration of a set's `members` once listed, and its conflicts; `None`
+/// before.
+fn merged(members: &super::sets::Members) -> Option<Result<(String, Vec<String>), Status>> {
+    if !members.synced {
+        return match &members.failure {
+            Some(e) if !e.is_outage() => Some(Err(source_status(0, e))),
+            _ => None,
+        };
+    }
+    Some(Ok(merged_configuration(members.objects.values())))
+}
+
+/// Counts and logs the conflicts of a configuration about to be served.
+fn report_conflicts(metrics: &crate::telemetry::Metrics, set: &str, conflicts: &[String]) {
+    if !conflicts.is_empty() {
+        metrics.flag_conflicts.inc_by(conflicts.len() as u64);
+        tracing::warn!(%set, keys = ?conflicts, "flags defined by more than one FeatureFlag of a set; the first in name order is kept");
+    }
+}
+
+/// What a flagd selector names: one FeatureFlag, or a set of them.
+pub enum Target {
+    /// `core.openfeature.dev/<namespace>/<name>`.
+    One(Selector),
+    /// `core.openfeature.dev/<namespace>?labelSelector=<URL-encoded selector>`.
+    Set(crate::source::Set),
+}
+
+fn featureflags() -> KindRef {
+    KindRef {
+        resource: "featureflags".into(),
+        version: Some("v1beta1".into()),
+        group: "core.openfeature.dev".into(),
+    }
+}
+
+/// What a flagd selector names, the set form too: the `flagd-selector` header if set, else the
+/// body.
+pub fn target(metadata: &MetadataMap, body: &str) -> Result<Target, Status> {
+    let header = metadata
+        .get(SELECTOR_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .filter(|v| !v.is_empty());
+    let text = header.unwrap_or(body).trim();
+    let Some((path, _)) = text.split_once('?') else {
+        return selector(metadata, body).map(Target::One);
+    };
+    let invalid = |why: String| {
+        Status::invalid_argument(format!(
+            "selector {} {why}; crd-broker accepts {FORMS}",
+            crate::selector::quote(text)
+        ))
+    };
+    let parsed: crate::cli::subscribe::Target = text
+        .strip_prefix(PREFIX)
+        .map(|rest| format!("featureflags.v1beta1.{PREFIX}{rest}"))
+        .ok_or_else(|| invalid("is not a set of FeatureFlags".into()))?
+        .parse()
+        .map_err(invalid)?;
+    let crate::cli::subscribe::Target::Set {
+        namespace, labels, ..
+    } = parsed
+    else {
+        return Err(invalid("is not a set".into()));
+    };
+    if namespace.is_none() || path.matches('/').count() != 1 {
+        return Err(invalid(
+            "must have exactly a namespace after the group".into(),
+        ));
+    }
+    let labels = labels
+        .parse()
+        .map_err(|e: String| invalid(format!("has a bad label selector: {e}")))?;
+    Ok(Target::Set(crate::source::Set {
+        kind: featureflags(),
+        namespace,
+        labels,
+    }))
+}
+
 /// The FeatureFlag a flagd selector names: the `flagd-selector` header if set, else the body.
 pub fn selector(metadata: &MetadataMap, body: &str) -> Result<Selector, Status> {
     let header = metadata
@@ -141,12 +251,7 @@ pub fn selector(metadata: &MetadataMap, body: &str) -> Result<Selector, Status> 
             ));
         }
     };
-    let kind = KindRef {
-        resource: "featureflags".into(),
-        version: Some("v1beta1".into()),
-        group: "core.openfeature.dev".into(),
-    };
-    Selector::new(kind, Some(namespace), name, text).map_err(|e| invalid(&e.to_string()))
+    Selector::new(featureflags(), Some(namespace), name, text).map_err(|e| invalid(&e.to_string()))
 }
 
 /// The shared core of both flagd services.
@@ -155,6 +260,7 @@ pub struct FlagdCore<S> {
     access: Arc<Access>,
     shutdown: CancellationToken,
     limit: usize,
+    sets: Arc<super::sets::Sets>,
 }
 
 impl<S: Source> FlagdCore<S> {
@@ -166,7 +272,111 @@ impl<S: Source> FlagdCore<S> {
             access,
             shutdown,
             limit: MAX_MESSAGE,
+            sets: Arc::default(),
         }
+    }
+
+    /// Admits `caller` to `set` and subscribes to its members.
+    async fn subscribe_set(
+        &self,
+        caller: &Caller,
+        set: &crate::source::Set,
+    ) -> Result<(tokio::sync::watch::Receiver<super::sets::Members>, Ticket), Status> {
+        let probe = set.member("set");
+        self.access.precheck(caller, &probe)?;
+        self.registry
+            .resolve(&probe)
+            .await
+            .map_err(|e| source_status(0, &e))?;
+        self.access.authorize(caller, &probe)?;
+        let ticket = self.access.admit(caller, &[probe], 1)?;
+        let members = self
+            .sets
+            .subscribe(self.registry.source(), set, self.registry.linger());
+        Ok((members, ticket))
+    }
+
+    async fn sync_set(
+        &self,
+        request_drain: crate::conn::ConnDrain,
+        caller: Caller,
+        set: crate::source::Set,
+        protocol: Protocol,
+    ) -> Result<BoxStream<'static, Result<Encoded, Status>>, Status> {
+        let (members, ticket) = self.subscribe_set(&caller, &set).await?;
+        let (metrics, limit) = (self.registry.metrics().clone(), self.limit);
+        let revoked = ticket.revoked();
+        let ends = Box::pin(async move {
+            let _ticket = ticket;
+            tokio::select! {
+                _ = request_drain.token().cancelled() => super::drained(request_drain.reason()),
+                status = revoked => status,
+            }
+        });
+        let name = set.to_string();
+        let frames = futures::stream::unfold(
+            (members, ends, None::<String>, true),
+            move |(mut members, mut ends, last, first)| {
+                let metrics = metrics.clone();
+                let name = name.clone();
+                async move {
+                    let mut first = first;
+                    loop {
+                        if !std::mem::take(&mut first) {
+                            tokio::select! {
+                                status = &mut ends => return Some((Err(status), (members, ends, last, false))),
+                                changed = members.changed() => if changed.is_err() { return None },
+                            }
+                        }
+                        let current = members.borrow_and_update().clone();
+                        match merged(&current) {
+                            None => continue,
+                            Some(Err(status)) => {
+                                return Some((Err(status), (members, ends, last, false)));
+                            }
+                            Some(Ok((config, _))) if last.as_ref() == Some(&config) => continue,
+                            Some(Ok((config, _))) if config.len() > limit => {
+                                let status = too_large(&name, config.len(), limit);
+                                return Some((Err(status), (members, ends, last, false)));
+                            }
+                            Some(Ok((config, conflicts))) => {
+                                report_conflicts(&metrics, &name, &conflicts);
+                                let encoded = Encoded(protocol.encode(config.clone()));
+                                return Some((Ok(encoded), (members, ends, Some(config), false)));
+                            }
+                        }
+                    }
+                }
+            },
+        );
+        Ok(super::until_error(frames).boxed())
+    }
+
+    async fn fetch_set(&self, caller: Caller, set: crate::source::Set) -> Result<String, Status> {
+        let (mut members, _ticket) = self.subscribe_set(&caller, &set).await?;
+        let wait = async {
+            loop {
+                let current = members.borrow_and_update().clone();
+                if let Some(config) = merged(&current) {
+                    return config.map(|(config, conflicts)| {
+                        report_conflicts(self.registry.metrics(), &set.to_string(), &conflicts);
+                        config
+                    });
+                }
+                if members.changed().await.is_err() {
+                    return Err(shutting_down());
+                }
+            }
+        };
+        let config = tokio::time::timeout(FETCH_WAIT, wait).await.map_err(|_| {
+            Status::unavailable(format!(
+                "no answer from the source for {set} within {FETCH_WAIT:?}"
+            ))
+        })??;
+        if config.len() > self.limit {
+            return Err(too_large(&set.to_string(), config.len(), self.limit));
+        }
+        Ok(config)
     }
 
     async fn subscribe(
@@ -199,7 +409,13 @@ impl<S: Source> FlagdCore<S> {
     ) -> Result<BoxStream<'static, Result<Encoded, Status>>, Status> {
         let started = std::time::Instant::now();
         let drain = drain_of(request, &self.shutdown);
-        let selector = selector(request.metadata(), body)?;
+        let selector = match target(request.metadata(), body)? {
+            Target::One(selector) => selector,
+            Target::Set(set) => {
+                let caller = Caller::of(request.extensions());
+                return self.sync_set(drain, caller, set, protocol).await;
+            }
+        };
         let caller = Caller::of(request.extensions());
         let (canonical, subscription, ticket) = self.subscribe(&caller, &selector).await?;
         let span = tracing::info_span!(
@@ -222,8 +438,11 @@ impl<S: Source> FlagdCore<S> {
     }
 
     async fn fetch<T>(&self, request: &Request<T>, body: &str) -> Result<String, Status> {
-        let selector = selector(request.metadata(), body)?;
         let caller = Caller::of(request.extensions());
+        let selector = match target(request.metadata(), body)? {
+            Target::One(selector) => selector,
+            Target::Set(set) => return self.fetch_set(caller, set).await,
+        };
         let (canonical, mut subscription, _ticket) = self.subscribe(&caller, &selector).await?;
         let wait = async {
             loop {
