@@ -325,7 +325,9 @@ impl<S: Source> FlagdCore<S> {
                         if !std::mem::take(&mut first) {
                             tokio::select! {
                                 status = &mut ends => return Some((Err(status), (members, ends, last, false))),
-                                changed = members.changed() => if changed.is_err() { return None },
+                                changed = members.changed() => if changed.is_err() {
+                                    return Some((Err(super::sets::watch_ended()), (members, ends, last, false)));
+                                },
                             }
                         }
                         let current = members.borrow_and_update().clone();

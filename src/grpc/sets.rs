@@ -70,7 +70,12 @@ async fn run(
     loop {
         tokio::select! {
             event = events.next() => {
-                let Some(event) = event else { break };
+                let Some(event) = event else {
+                    // Sources do not end their watches; if one does, the next subscriber starts
+                    // it again.
+                    lock(&sets.watched).remove(&set);
+                    break;
+                };
                 tx.send_modify(|m| apply(m, event));
             }
             _ = tick.tick() => {
@@ -108,6 +113,11 @@ fn apply(members: &mut Members, event: SetEvent) {
         SetEvent::Failed(error) => members.failure = Some(error),
         SetEvent::Recovered => members.failure = None,
     }
+}
+
+/// The status a set's stream ends with if its watch ended: clients reconnect on UNAVAILABLE.
+pub(crate) fn watch_ended() -> Status {
+    Status::unavailable("the set's watch ended; reconnect")
 }
 
 /// One subscriber's stream of `set`, at `index` of its request.
@@ -204,7 +214,7 @@ pub(crate) fn stream(
                         status = &mut ends => return Some((Err(status), (view, ends, false, rx))),
                         changed = rx.changed() => {
                             if changed.is_err() {
-                                return None;
+                                return Some((Err(watch_ended()), (view, ends, false, rx)));
                             }
                             rx.borrow_and_update().clone()
                         }
