@@ -175,28 +175,17 @@ async fn a_directory_briefly_gone_keeps_its_state_and_is_an_outage_not_a_delete(
     let mut s = subscribe(&mut client, &[&demo("demo")]).await;
     next(&mut s).await;
     let ready = |b: &Running<Manifests>| b.readiness.current();
-    assert!(
-        tokio::time::timeout(WAIT, async {
-            while ready(&broker).source != Some(Ok(())) {
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-        })
-        .await
-        .is_ok()
-    );
+    eventually("the source passes its check", WAIT, async || {
+        ready(&broker).source == Some(Ok(()))
+    })
+    .await;
 
     let away = parent.path().join("away");
     std::fs::rename(&dir, &away).unwrap();
-    assert!(
-        tokio::time::timeout(WAIT, async {
-            while !matches!(&ready(&broker).source, Some(Err(e)) if e.contains("cannot read the manifests directory")) {
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-        })
-        .await
-        .is_ok(),
-        "an outage of the source"
-    );
+    eventually("an outage of the source", WAIT, async || {
+        matches!(&ready(&broker).source, Some(Err(e)) if e.contains("cannot read the manifests directory"))
+    })
+    .await;
     assert!(ready(&broker).ready(), "ready within --max-staleness");
     quiet(&mut s, Duration::from_millis(400)).await;
     let mut again = subscribe(&mut client, &[&demo("demo")]).await;
@@ -206,15 +195,10 @@ async fn a_directory_briefly_gone_keeps_its_state_and_is_an_outage_not_a_delete(
     );
 
     std::fs::rename(&away, &dir).unwrap();
-    assert!(
-        tokio::time::timeout(WAIT, async {
-            while ready(&broker).source != Some(Ok(())) {
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-        })
-        .await
-        .is_ok()
-    );
+    eventually("the source passes its check", WAIT, async || {
+        ready(&broker).source == Some(Ok(()))
+    })
+    .await;
     quiet(&mut s, Duration::from_millis(300)).await;
     write(&dir, "demo.yaml", &flag_yaml("demo", "b"));
     assert!(is(&next(&mut s).await, Event::Updated, "b"));

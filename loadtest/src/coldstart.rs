@@ -5,7 +5,6 @@
 use std::time::{Duration, Instant};
 
 use crd_broker::pb::broker_client::BrokerClient;
-use futures::StreamExt;
 use kube::api::{Api, DynamicObject, ListParams, WatchParams};
 use kube::core::{ApiResource, GroupVersionKind};
 use serde::Serialize;
@@ -61,7 +60,7 @@ async fn list_watch(api: Api<DynamicObject>, name: String) -> anyhow::Result<Dur
         .watch(&WatchParams::default().fields(&field).timeout(290), &rv)
         .await?;
     let took = started.elapsed();
-    drop(watch.boxed());
+    drop(watch);
     Ok(took)
 }
 

@@ -22,19 +22,24 @@ fn broker_bin() -> PathBuf {
     bin
 }
 
+/// Runs the harness with `args`, the release broker and `--out out`.
+fn harness(args: &[&str], out: &std::path::Path) -> std::process::ExitStatus {
+    Command::new(env!("CARGO_BIN_EXE_crd-broker-loadtest"))
+        .args(args)
+        .arg("--broker-bin")
+        .arg(broker_bin())
+        .arg("--out")
+        .arg(out)
+        .env("RUST_BACKTRACE", "0")
+        .status()
+        .expect("the harness runs")
+}
+
 #[test]
 fn the_smoke_configuration_runs_every_scenario_and_loses_nothing() {
     let out =
         std::env::temp_dir().join(format!("crd-broker-loadtest-smoke-{}", std::process::id()));
-    let status = Command::new(env!("CARGO_BIN_EXE_crd-broker-loadtest"))
-        .arg("--smoke")
-        .arg("--broker-bin")
-        .arg(broker_bin())
-        .arg("--out")
-        .arg(&out)
-        .env("RUST_BACKTRACE", "0")
-        .status()
-        .expect("the harness runs");
+    let status = harness(&["--smoke"], &out);
     assert!(status.success());
     let results: Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("results.json")).unwrap()).unwrap();
@@ -188,15 +193,7 @@ fn the_smoke_configuration_runs_every_scenario_and_loses_nothing() {
 #[test]
 fn a_short_seeded_soak_meets_every_kind_of_fault_and_loses_nothing() {
     let out = std::env::temp_dir().join(format!("crd-broker-soak-smoke-{}", std::process::id()));
-    let status = Command::new(env!("CARGO_BIN_EXE_crd-broker-loadtest"))
-        .args(["soak", "--smoke", "--seed", "11"])
-        .arg("--broker-bin")
-        .arg(broker_bin())
-        .arg("--out")
-        .arg(&out)
-        .env("RUST_BACKTRACE", "0")
-        .status()
-        .expect("the soak runs");
+    let status = harness(&["soak", "--smoke", "--seed", "11"], &out);
     let report: Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("soak.json")).unwrap()).unwrap();
     assert!(status.success(), "{report:#}");

@@ -139,24 +139,29 @@ pub fn merged_configuration<'a>(
     (Value::Object(config).to_string(), conflicts)
 }
 
-/// The merged configuration of a set's `members` once listed, and its conflicts; `None`
-/// before.
-fn merged(members: &super::sets::Members) -> Option<Result<(String, Vec<String>), Status>> {
+/// The merged configuration of a set's `members` once listed; `None` before. It is made once
+/// per state of the set, whatever the number of its subscribers, and its conflicts are counted
+/// and logged then.
+fn merged(
+    metrics: &crate::telemetry::Metrics,
+    set: &str,
+    members: &super::sets::Members,
+) -> Option<Result<String, Status>> {
     if !members.synced {
         return match &members.failure {
             Some(e) if !e.is_outage() => Some(Err(source_status(0, e))),
             _ => None,
         };
     }
-    Some(Ok(merged_configuration(members.objects.values())))
-}
-
-/// Counts and logs the conflicts of a configuration about to be served.
-fn report_conflicts(metrics: &crate::telemetry::Metrics, set: &str, conflicts: &[String]) {
-    if !conflicts.is_empty() {
-        metrics.flag_conflicts.inc_by(conflicts.len() as u64);
-        tracing::warn!(%set, keys = ?conflicts, "flags defined by more than one FeatureFlag of a set; the first in name order is kept");
-    }
+    let config = members.merged.get_or_init(|| {
+        let (config, conflicts) = merged_configuration(members.objects.values());
+        if !conflicts.is_empty() {
+            metrics.flag_conflicts.inc_by(conflicts.len() as u64);
+            tracing::warn!(%set, keys = ?conflicts, "flags defined by more than one FeatureFlag of a set; the first in name order is kept");
+        }
+        config
+    });
+    Some(Ok(config.clone()))
 }
 
 /// What a flagd selector names: one FeatureFlag, or a set of them.
@@ -175,23 +180,32 @@ fn featureflags() -> KindRef {
     }
 }
 
+/// The selector a flagd request sends: the `flagd-selector` header if set, else the body.
+fn selector_text<'a>(metadata: &'a MetadataMap, body: &'a str) -> &'a str {
+    metadata
+        .get(SELECTOR_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .filter(|v| !v.is_empty())
+        .unwrap_or(body)
+        .trim()
+}
+
+/// INVALID_ARGUMENT for the selector `text`, saying why and what is accepted.
+fn invalid_selector(text: &str, why: impl std::fmt::Display) -> Status {
+    Status::invalid_argument(format!(
+        "selector {} {why}; crd-broker accepts {FORMS}",
+        crate::selector::quote(text)
+    ))
+}
+
 /// What a flagd selector names, the set form too: the `flagd-selector` header if set, else the
 /// body.
 pub fn target(metadata: &MetadataMap, body: &str) -> Result<Target, Status> {
-    let header = metadata
-        .get(SELECTOR_HEADER)
-        .and_then(|v| v.to_str().ok())
-        .filter(|v| !v.is_empty());
-    let text = header.unwrap_or(body).trim();
+    let text = selector_text(metadata, body);
     let Some((path, _)) = text.split_once('?') else {
-        return selector(metadata, body).map(Target::One);
+        return one_flag(text).map(Target::One);
     };
-    let invalid = |why: String| {
-        Status::invalid_argument(format!(
-            "selector {} {why}; crd-broker accepts {FORMS}",
-            crate::selector::quote(text)
-        ))
-    };
+    let invalid = |why: String| invalid_selector(text, why);
     let parsed: crate::cli::subscribe::Target = text
         .strip_prefix(PREFIX)
         .map(|rest| format!("featureflags.v1beta1.{PREFIX}{rest}"))
@@ -221,17 +235,12 @@ pub fn target(metadata: &MetadataMap, body: &str) -> Result<Target, Status> {
 
 /// The FeatureFlag a flagd selector names: the `flagd-selector` header if set, else the body.
 pub fn selector(metadata: &MetadataMap, body: &str) -> Result<Selector, Status> {
-    let header = metadata
-        .get(SELECTOR_HEADER)
-        .and_then(|v| v.to_str().ok())
-        .filter(|v| !v.is_empty());
-    let text = header.unwrap_or(body).trim();
-    let invalid = |why: &str| {
-        Status::invalid_argument(format!(
-            "selector {} {why}; crd-broker accepts {FORMS}",
-            crate::selector::quote(text)
-        ))
-    };
+    one_flag(selector_text(metadata, body))
+}
+
+/// The FeatureFlag `core.openfeature.dev/<namespace>/<name>` names.
+fn one_flag(text: &str) -> Result<Selector, Status> {
+    let invalid = |why: &str| invalid_selector(text, why);
     if text.is_empty() {
         return Err(invalid("is empty"));
     }
@@ -331,18 +340,17 @@ impl<S: Source> FlagdCore<S> {
                             }
                         }
                         let current = members.borrow_and_update().clone();
-                        match merged(&current) {
+                        match merged(&metrics, &name, &current) {
                             None => continue,
                             Some(Err(status)) => {
                                 return Some((Err(status), (members, ends, last, false)));
                             }
-                            Some(Ok((config, _))) if last.as_ref() == Some(&config) => continue,
-                            Some(Ok((config, _))) if config.len() > limit => {
+                            Some(Ok(config)) if last.as_ref() == Some(&config) => continue,
+                            Some(Ok(config)) if config.len() > limit => {
                                 let status = too_large(&name, config.len(), limit);
                                 return Some((Err(status), (members, ends, last, false)));
                             }
-                            Some(Ok((config, conflicts))) => {
-                                report_conflicts(&metrics, &name, &conflicts);
+                            Some(Ok(config)) => {
                                 let encoded = Encoded(protocol.encode(config.clone()));
                                 return Some((Ok(encoded), (members, ends, Some(config), false)));
                             }
@@ -359,11 +367,8 @@ impl<S: Source> FlagdCore<S> {
         let wait = async {
             loop {
                 let current = members.borrow_and_update().clone();
-                if let Some(config) = merged(&current) {
-                    return config.map(|(config, conflicts)| {
-                        report_conflicts(self.registry.metrics(), &set.to_string(), &conflicts);
-                        config
-                    });
+                if let Some(config) = merged(self.registry.metrics(), &set.to_string(), &current) {
+                    return config;
                 }
                 if members.changed().await.is_err() {
                     return Err(shutting_down());

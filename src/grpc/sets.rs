@@ -26,6 +26,8 @@ pub(crate) struct Members {
     pub(crate) objects: Arc<BTreeMap<String, Object>>,
     /// The failure while it lasts.
     pub(crate) failure: Option<SourceError>,
+    /// The merged flag configuration of these members, made once for every flagd subscriber.
+    pub(crate) merged: Arc<std::sync::OnceLock<String>>,
 }
 
 /// The sets being watched.
@@ -98,6 +100,7 @@ async fn run(
 }
 
 fn apply(members: &mut Members, event: SetEvent) {
+    members.merged = Arc::default();
     match event {
         SetEvent::Listed(objects) => {
             members.objects = Arc::new(objects.into_iter().collect());
