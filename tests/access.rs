@@ -628,3 +628,45 @@ async fn readiness_needs_the_rights_the_identity_sources_use() {
     .await;
     assert!(ready.is_ok(), "ready once the right is granted");
 }
+
+#[tokio::test]
+async fn a_set_across_every_namespace_needs_a_grant_that_reads_every_namespace() {
+    let fake = tenants().await;
+    let policy =
+        "grants:\n  - from: team-b\n    read: [\"*\"]\n  - from: team-a\n    read: [shared]\n";
+    let (_dir, access) = with_policy("peer-pod", policy);
+    let broker = broker_with_access(&fake, access).await;
+    let every = || {
+        let target: crd_broker::cli::subscribe::Target =
+            "featureflags.core.openfeature.dev/*?labelSelector="
+                .parse()
+                .unwrap();
+        crd_broker::cli::subscribe::request_for(&[target])
+    };
+    // Its own namespace and a granted one are not every namespace.
+    let mut a = connect_from(broker.addr, "127.0.0.2").await;
+    let denied = a.subscribe(every()).await.unwrap_err();
+    assert_status(&denied, Code::PermissionDenied, "in every namespace");
+    assert!(
+        denied.message().contains("team-a/web"),
+        "{}",
+        denied.message()
+    );
+
+    let mut b = connect_from(broker.addr, "127.0.0.3").await;
+    let mut s = b.subscribe(every()).await.unwrap().into_inner();
+    let mut members = Vec::new();
+    loop {
+        let r = next(&mut s).await;
+        if r.event() == Event::Synced {
+            break;
+        }
+        assert_eq!(r.event(), Event::Snapshot);
+        members.push(r.selector);
+    }
+    assert_eq!(
+        members,
+        ["shared", "team-a", "team-b"]
+            .map(|ns| format!("featureflags.v1beta1.core.openfeature.dev/{ns}/f"))
+    );
+}

@@ -600,4 +600,20 @@ async fn a_set_selector_serves_the_merged_flags_of_its_feature_flags_in_name_ord
             .unwrap_err();
         assert_eq!(status.code(), Code::InvalidArgument, "{bad}: {status:?}");
     }
+    // `*`: the FeatureFlags of every namespace, by namespace and name.
+    let mut elsewhere = labelled_flags("a", "checkout", &["v"], "on");
+    elsewhere["metadata"]["namespace"] = serde_json::json!("other");
+    h.fake.apply(elsewhere).unwrap();
+    let every = client
+        .fetch_all_flags(flagd::FetchAllFlagsRequest {
+            provider_id: String::new(),
+            selector: "core.openfeature.dev/*?labelSelector=app%3Dcheckout".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .flag_configuration;
+    let every: Value = serde_json::from_str(&every).unwrap();
+    let keys: Vec<&String> = every["flags"].as_object().unwrap().keys().collect();
+    assert_eq!(keys, ["v", "w", "x", "y", "z"], "{every}");
 }

@@ -320,4 +320,49 @@ async fn a_set_of_manifests_follows_the_files_by_their_labels() {
     let left = next(&mut s).await;
     assert_eq!(left.event(), Event::Deleted);
     assert!(left.selector.ends_with("/default/a"), "{}", left.selector);
+
+    // `*`: every namespace, members by namespace and name.
+    let other =
+        labelled("b", "checkout", "d").replace("  name: b\n", "  name: b\n  namespace: other\n");
+    write(dir.path(), "other.yaml", &other);
+    let every: crd_broker::cli::subscribe::Target =
+        "featureflags.core.openfeature.dev/*?labelSelector=app%3Dcheckout"
+            .parse()
+            .unwrap();
+    let mut all = eventually_subscribed(&mut client, every, 2).await;
+    let members: Vec<String> = all.drain(..2).map(|r| r.selector).collect();
+    assert_eq!(
+        members,
+        ["default/b", "other/b"].map(|m| format!("featureflags.v1beta1.core.openfeature.dev/{m}"))
+    );
+}
+
+/// The SNAPSHOTs of `target` once it has `members` of them.
+async fn eventually_subscribed(
+    client: &mut crd_broker::pb::broker_client::BrokerClient<tonic::transport::Channel>,
+    target: crd_broker::cli::subscribe::Target,
+    members: usize,
+) -> Vec<crd_broker::pb::SubscribeResponse> {
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let mut s = client
+            .subscribe(crd_broker::cli::subscribe::request_for(
+                std::slice::from_ref(&target),
+            ))
+            .await
+            .unwrap()
+            .into_inner();
+        let mut snapshots = Vec::new();
+        loop {
+            let r = next(&mut s).await;
+            if r.event() == Event::Synced {
+                break;
+            }
+            snapshots.push(r);
+        }
+        if snapshots.len() == members || tokio::time::Instant::now() > deadline {
+            return snapshots;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
 }

@@ -134,6 +134,81 @@ async fn a_set_of_nothing_yet_is_synced_at_once_and_fills_later() {
 }
 
 #[tokio::test]
+async fn a_set_may_span_every_namespace_with_one_cluster_wide_watch() {
+    let h = start(Duration::ZERO).await;
+    for (ns, name, app) in [
+        ("team-b", "a", "checkout"),
+        ("team-a", "a", "checkout"),
+        ("team-a", "z", "cart"),
+        ("default", "m", "checkout"),
+    ] {
+        let mut flag = labelled(name, app);
+        flag["metadata"]["namespace"] = json!(ns);
+        h.fake.apply(flag).unwrap();
+    }
+    let target: Target = "featureflags.core.openfeature.dev/*?labelSelector=app%3Dcheckout"
+        .parse()
+        .unwrap();
+    let mut client = h.client().await;
+    let mut s = client
+        .subscribe(request_for(&[target]))
+        .await
+        .unwrap()
+        .into_inner();
+    // Members by namespace, then name; the same name in two namespaces is two members.
+    for member in ["default/m", "team-a/a", "team-b/a"] {
+        let r = next(&mut s).await;
+        assert_eq!(
+            (r.event(), r.selector),
+            (
+                Event::Snapshot,
+                format!("featureflags.v1beta1.core.openfeature.dev/{member}")
+            )
+        );
+    }
+    let synced = next(&mut s).await;
+    assert_eq!(
+        (synced.event(), synced.selector.as_str()),
+        (
+            Event::Synced,
+            "featureflags.v1beta1.core.openfeature.dev/*?labelSelector=app=checkout"
+        )
+    );
+    h.fake
+        .merge_patch(GV, "featureflags", "team-a", "z", relabel("checkout"))
+        .unwrap();
+    let added = next(&mut s).await;
+    assert_eq!(
+        (added.event(), added.selector.as_str()),
+        (
+            Event::Added,
+            "featureflags.v1beta1.core.openfeature.dev/team-a/z"
+        )
+    );
+    h.fake.delete(GV, "featureflags", "team-b", "a").unwrap();
+    let deleted = next(&mut s).await;
+    assert_eq!(
+        (deleted.event(), deleted.selector.as_str()),
+        (
+            Event::Deleted,
+            "featureflags.v1beta1.core.openfeature.dev/team-b/a"
+        )
+    );
+    // One watch, of every namespace.
+    let watches = h.fake.watches();
+    let set_watches: Vec<_> = watches
+        .iter()
+        .filter(|w| w.label_selector == "app=checkout")
+        .collect();
+    assert_eq!(set_watches.len(), 1, "{watches:?}");
+    assert!(
+        !set_watches[0].path.contains("/namespaces/"),
+        "{:?}",
+        set_watches[0]
+    );
+}
+
+#[tokio::test]
 async fn malformed_sets_are_invalid_arguments_naming_the_fault() {
     let h = start(Duration::ZERO).await;
     let mut client = h.client().await;

@@ -638,6 +638,10 @@ impl Access {
 
 fn denial_message(caller: &Caller, selector: &Selector) -> String {
     match &selector.namespace {
+        Some(ns) if ns == crate::source::ALL_NAMESPACES => format!(
+            "{caller} may not read {}.{} in every namespace: no policy grant reads \"*\"",
+            selector.kind.resource, selector.kind.group
+        ),
         Some(ns) => format!(
             "{caller} may not read {}.{} in namespace {ns}: no policy grant covers it",
             selector.kind.resource, selector.kind.group

@@ -296,7 +296,8 @@ pub struct SubscribeArgs {
     /// Resources, as <resource>[.<version>].<group>/<namespace>/<name>
     /// (e.g. featureflags.core.openfeature.dev/default/demo), or one set, as
     /// <resource>[.<version>].<group>/<namespace>?labelSelector=<URL-encoded selector>
-    /// (e.g. featureflags.core.openfeature.dev/default?labelSelector=app%3Dcheckout).
+    /// (e.g. featureflags.core.openfeature.dev/default?labelSelector=app%3Dcheckout; the
+    /// namespace * is every namespace).
     #[arg(required = true, value_name = "SELECTOR")]
     pub selectors: Vec<subscribe::Target>,
 }

@@ -20,7 +20,8 @@ pub enum Output {
 }
 
 /// What `subscribe` is asked to follow: one resource, or a set
-/// (`featureflags.core.openfeature.dev/<ns>?labelSelector=app%3Dcheckout`).
+/// (`featureflags.core.openfeature.dev/<ns>?labelSelector=app%3Dcheckout`, `*` for every
+/// namespace).
 #[derive(Debug, Clone, PartialEq)]
 pub enum Target {
     /// One resource.
@@ -57,8 +58,9 @@ impl std::str::FromStr for Target {
             None => (path, None),
         };
         let kind = KindRef::parse_in(kind, input).map_err(|e| e.to_string())?;
-        // The namespace is checked as a selector's would be.
-        Selector::new(kind.clone(), namespace, "set", input).map_err(|e| e.to_string())?;
+        // The namespace is checked as a selector's would be; `*` is every namespace.
+        let checked = namespace.filter(|ns| *ns != crate::source::ALL_NAMESPACES);
+        Selector::new(kind.clone(), checked, "set", input).map_err(|e| e.to_string())?;
         Ok(Target::Set {
             kind,
             namespace: namespace.map(str::to_string),

@@ -43,7 +43,7 @@ const FETCH_WAIT: Duration = Duration::from_secs(5);
 const PREFIX: &str = "core.openfeature.dev/";
 
 /// The accepted selector forms, for error messages.
-const FORMS: &str = "core.openfeature.dev/<namespace>/<name> (a FeatureFlag) or core.openfeature.dev/<namespace>?labelSelector=<URL-encoded selector> (the merged flags of a set), in the flagd-selector header or the request's selector field";
+const FORMS: &str = "core.openfeature.dev/<namespace>/<name> (a FeatureFlag) or core.openfeature.dev/<namespace>?labelSelector=<URL-encoded selector> (the merged flags of a set; * for every namespace), in the flagd-selector header or the request's selector field";
 
 /// Which of the two flagd protocols a stream speaks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

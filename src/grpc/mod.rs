@@ -17,7 +17,7 @@ use crate::pb::broker_server::{Broker, BrokerServer};
 use crate::pb::subscribe_response::Event;
 use crate::registry::{Registry, State, Subscription, Update};
 use crate::selector::{KindRef, ParseError, Selector};
-use crate::source::{Source, SourceError};
+use crate::source::{ALL_NAMESPACES, Source, SourceError};
 use crate::telemetry::{
     FirstMessageLabels, Limit, Metrics, Protocol, ResourceLabels, SubscriberLabels, Watch,
 };
@@ -189,13 +189,24 @@ impl<S: Source> BrokerService<S> {
             r.label_selector.parse().map_err(|e: String| {
                 Status::invalid_argument(format!("resources[0].label_selector: {e}"))
             })?;
-        let probe = to_selector(
+        // A set's kind and namespace are checked as a selector's would be; `*` (every
+        // namespace) is no namespace name, so it is put back after the check.
+        let all = r.namespace == ALL_NAMESPACES;
+        let mut probe = to_selector(
             0,
             &pb::ResourceRef {
                 name: "set".into(),
+                namespace: if all {
+                    "all".into()
+                } else {
+                    r.namespace.clone()
+                },
                 ..r.clone()
             },
         )?;
+        if all {
+            probe.namespace = Some(ALL_NAMESPACES.into());
+        }
         self.access
             .precheck(caller, &probe)
             .map_err(|s| indexed(0, s))?;

@@ -162,10 +162,13 @@ impl Catalog {
             .objects
             .iter()
             .filter(|((group, plural, ns, _), _)| {
-                *group == set.kind.group && *plural == set.kind.resource && *ns == namespace
+                *group == set.kind.group
+                    && *plural == set.kind.resource
+                    && (*ns == namespace || set.all_namespaces())
             })
-            .filter_map(|((_, _, _, name), _)| {
-                let Observed::Present(object) = self.lookup(&set.member(name)) else {
+            .filter_map(|((_, _, ns, name), _)| {
+                let key = set.key(ns, name);
+                let Observed::Present(object) = self.lookup(&set.member(&key)) else {
                     return None;
                 };
                 let labels: BTreeMap<String, String> =
@@ -173,7 +176,7 @@ impl Catalog {
                         .ok()
                         .and_then(|v| serde_json::from_value(v["metadata"]["labels"].clone()).ok())
                         .unwrap_or_default();
-                set.labels.matches(&labels).then(|| (name.clone(), object))
+                set.labels.matches(&labels).then_some((key, object))
             })
             .collect();
         members.sort_by(|a, b| a.0.cmp(&b.0));

@@ -103,24 +103,52 @@ pub fn not_allowed(kind: &str, allowed: &[KindRef]) -> SourceError {
     ))
 }
 
-/// A set of objects: those of a kind in a namespace (or, for a cluster-scoped kind, all of them)
-/// that a label selector selects.
+/// The namespace of a set that spans every namespace, as requests and selectors write it.
+pub const ALL_NAMESPACES: &str = "*";
+
+/// A set of objects: those of a kind in a namespace (or in every namespace, or, for a
+/// cluster-scoped kind, all of them) that a label selector selects.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct Set {
     /// The kind, resolved (plural and version filled in).
     pub kind: KindRef,
-    /// The namespace; `None` for a cluster-scoped kind.
+    /// The namespace: [`ALL_NAMESPACES`] for every one, `None` for a cluster-scoped kind.
     pub namespace: Option<String>,
     /// Which of its objects.
     pub labels: LabelSelector,
 }
 
 impl Set {
-    /// The canonical selector of the member `name`.
-    pub fn member(&self, name: &str) -> Selector {
+    /// Whether the set spans every namespace. Its members are then keyed `namespace/name`.
+    pub fn all_namespaces(&self) -> bool {
+        self.namespace.as_deref() == Some(ALL_NAMESPACES)
+    }
+
+    /// The namespace to list and watch in: `None` for every namespace (or a cluster-scoped
+    /// kind).
+    pub fn scope(&self) -> Option<&str> {
+        self.namespace.as_deref().filter(|ns| *ns != ALL_NAMESPACES)
+    }
+
+    /// The key of the member `name` in `namespace`: its name, or `namespace/name` in a set
+    /// that spans every namespace.
+    pub fn key(&self, namespace: &str, name: &str) -> String {
+        if self.all_namespaces() {
+            format!("{namespace}/{name}")
+        } else {
+            name.to_string()
+        }
+    }
+
+    /// The canonical selector of the member with `key` (see [`Set::key`]).
+    pub fn member(&self, key: &str) -> Selector {
+        let (namespace, name) = match key.split_once('/') {
+            Some((ns, name)) if self.all_namespaces() => (Some(ns.to_string()), name),
+            _ => (self.namespace.clone(), key),
+        };
         Selector {
             kind: self.kind.clone(),
-            namespace: self.namespace.clone(),
+            namespace,
             name: name.to_string(),
         }
     }

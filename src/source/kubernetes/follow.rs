@@ -185,8 +185,16 @@ struct Follow {
     failing: bool,
 }
 
-fn name_of(obj: &DynamicObject) -> String {
-    obj.metadata.name.clone().unwrap_or_default()
+impl Follow {
+    /// The key of `obj` in its collection: its name, or `namespace/name` when the collection
+    /// spans namespaces (a namespaced kind listed in all of them).
+    fn key_of(&self, obj: &DynamicObject) -> String {
+        let name = obj.metadata.name.clone().unwrap_or_default();
+        match (&self.api.namespace(), &obj.metadata.namespace) {
+            (None, Some(ns)) => format!("{ns}/{name}"),
+            _ => name,
+        }
+    }
 }
 
 impl Follow {
@@ -209,7 +217,7 @@ impl Follow {
                         let objects = list
                             .items
                             .iter()
-                            .map(|obj| (name_of(obj), to_object(obj)))
+                            .map(|obj| (self.key_of(obj), to_object(obj)))
                             .collect();
                         return Some((Event::Listed { rv, objects }, self));
                     }
@@ -242,7 +250,7 @@ impl Follow {
                                 rv = obj.metadata.resource_version.clone().unwrap_or(rv);
                                 Some(Event::Applied {
                                     rv: rv.clone(),
-                                    name: name_of(&obj),
+                                    name: self.key_of(&obj),
                                     object: to_object(&obj),
                                 })
                             }
@@ -250,7 +258,7 @@ impl Follow {
                                 rv = obj.metadata.resource_version.clone().unwrap_or(rv);
                                 Some(Event::Deleted {
                                     rv: rv.clone(),
-                                    name: name_of(&obj),
+                                    name: self.key_of(&obj),
                                 })
                             }
                             WatchEvent::Bookmark(b) => {

@@ -133,6 +133,12 @@ impl Kubernetes {
     /// Refuses, without asking the API server, a namespace `--namespace` does not name.
     fn namespace_served(&self, namespace: Option<&str>) -> Result<(), SourceError> {
         match namespace {
+            Some(crate::source::ALL_NAMESPACES) if !self.namespaces.is_empty() => {
+                Err(SourceError::NotAllowed(format!(
+                    "this broker serves only some namespaces (--namespace {}), not every one",
+                    self.namespaces.join(", ")
+                )))
+            }
             Some(ns) if !self.namespaces.is_empty() && !self.namespaces.iter().any(|n| n == ns) => {
                 Err(SourceError::NotAllowed(format!(
                     "namespace {} is not served by this broker (--namespace serves: {})",
@@ -603,8 +609,12 @@ impl Source for Kubernetes {
     fn watch_set(&self, set: &Set) -> BoxStream<'static, SetEvent> {
         use futures::StreamExt;
         let labels = Some(set.labels.to_string()).filter(|l| !l.is_empty());
+        let scope = Selector {
+            namespace: set.scope().map(str::to_string),
+            ..set.member("")
+        };
         let events = follow::events(
-            self.api(&set.member("")),
+            self.api(&scope),
             None,
             labels,
             set.to_string(),
