@@ -132,7 +132,18 @@ impl<S: Source> Running<S> {
             metrics.clone(),
         );
         if let Some(admin) = admin {
-            crate::ops::admin::spawn(admin, readiness.clone(), registry.clone(), metrics.clone());
+            // gRPC health on the admin port too, where the OpenFeature Operator's flagd-proxy
+            // probes look for it.
+            let grpc = axum::Router::new()
+                .route_service("/grpc.health.v1.Health/Check", health.clone())
+                .route_service("/grpc.health.v1.Health/Watch", health.clone());
+            crate::ops::admin::spawn(
+                admin,
+                readiness.clone(),
+                registry.clone(),
+                metrics.clone(),
+                grpc,
+            );
         }
         let reflection = tonic_reflection::server::Builder::configure()
             .register_encoded_file_descriptor_set(crate::pb::DESCRIPTOR_SET)

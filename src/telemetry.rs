@@ -293,6 +293,26 @@ pub struct Metrics {
     /// Flag keys defined by more than one FeatureFlag of a set served to flagd clients (the
     /// first, in name order, is kept).
     pub flag_conflicts: Counter,
+    /// flagd sync streams open (`SyncFlags` on both flagd services), under flagd-proxy's name
+    /// `sync_active_streams`, for the dashboards and autoscalers that read it.
+    pub sync_active_streams: Gauge,
+}
+
+/// Counts one open flagd sync stream in [`Metrics::sync_active_streams`] while it lives.
+pub struct ActiveSync(Gauge);
+
+impl ActiveSync {
+    /// Counts a stream that opened now.
+    pub fn new(metrics: &Metrics) -> ActiveSync {
+        metrics.sync_active_streams.inc();
+        ActiveSync(metrics.sync_active_streams.clone())
+    }
+}
+
+impl Drop for ActiveSync {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
 }
 
 fn latency_histogram() -> Histogram {
@@ -302,7 +322,7 @@ fn latency_histogram() -> Histogram {
 
 impl Default for Metrics {
     fn default() -> Self {
-        let mut registry = Registry::with_prefix("crd_broker");
+        let mut root = Registry::default();
         let m = Metrics {
             watches: Family::default(),
             subscribers: Family::default(),
@@ -321,8 +341,15 @@ impl Default for Metrics {
             source_stale_seconds: Gauge::default(),
             runtime_tasks: Gauge::default(),
             flag_conflicts: Counter::default(),
+            sync_active_streams: Gauge::default(),
             registry: Registry::default(),
         };
+        root.register(
+            "sync_active_streams",
+            "flagd sync streams open (flagd-proxy's name for it)",
+            m.sync_active_streams.clone(),
+        );
+        let registry = root.sub_registry_with_prefix("crd_broker");
         registry.register(
             "watches",
             "Kubernetes watches open, by kind",
@@ -401,7 +428,10 @@ impl Default for Metrics {
             "gRPC requests completed, by status code",
             m.grpc_handled.clone(),
         );
-        Metrics { registry, ..m }
+        Metrics {
+            registry: root,
+            ..m
+        }
     }
 }
 

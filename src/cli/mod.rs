@@ -116,14 +116,16 @@ impl std::str::FromStr for MaybeAddr {
 #[derive(Debug, Parser)]
 #[command(name = "serve")]
 pub struct Serve {
-    /// gRPC over TCP (`none`: no TCP listener).
-    #[arg(long, env = "CRD_BROKER_GRPC_ADDR", default_value = "0.0.0.0:8015")]
+    /// gRPC over TCP (`none`: no TCP listener). `[::]` listens on IPv6 and IPv4 both (IPv4
+    /// alone where the host has no IPv6).
+    #[arg(long, env = "CRD_BROKER_GRPC_ADDR", default_value = "[::]:8015")]
     pub grpc_addr: MaybeAddr,
     /// gRPC over a unix domain socket at this path as well (or instead, with --grpc-addr none).
     #[arg(long, env = "CRD_BROKER_GRPC_SOCKET", value_name = "PATH")]
     pub grpc_socket: Option<PathBuf>,
-    /// The admin HTTP server: /livez, /readyz, /metrics, /debug/watches (`none`: off).
-    #[arg(long, env = "CRD_BROKER_ADMIN_ADDR", default_value = "0.0.0.0:8016")]
+    /// The admin HTTP server: /livez, /readyz, /metrics, /debug/watches and gRPC health
+    /// (`none`: off).
+    #[arg(long, env = "CRD_BROKER_ADMIN_ADDR", default_value = "[::]:8016")]
     pub admin_addr: MaybeAddr,
     /// Serve the CRDs and custom resources in this directory of manifests instead of a
     /// cluster; edits to its files are seen as changes.
@@ -328,18 +330,47 @@ fn parse_namespace(s: &str) -> Result<String, String> {
     }
 }
 
+/// A listener on `addr`. The unspecified IPv6 address `[::]` takes IPv4 connections too
+/// (`IPV6_V6ONLY` off, whatever the host's default), and falls back to `0.0.0.0` on a host
+/// without IPv6.
+pub fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
+    use socket2::{Domain, Protocol, Socket, Type};
+    let dual = addr.ip() == std::net::IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED);
+    let open = |addr: SocketAddr| -> std::io::Result<TcpListener> {
+        let socket = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
+        if addr.is_ipv6() {
+            socket.set_only_v6(!dual)?;
+        }
+        socket.set_reuse_address(true)?;
+        socket.set_nonblocking(true)?;
+        socket.bind(&addr.into())?;
+        socket.listen(1024)?;
+        TcpListener::from_std(socket.into())
+    };
+    match open(addr) {
+        // EAFNOSUPPORT: no IPv6 in the kernel; EADDRNOTAVAIL: IPv6 disabled.
+        Err(e) if dual && matches!(e.raw_os_error(), Some(97 | 99)) => {
+            tracing::info!(%addr, "no IPv6 on this host: listening on IPv4 only");
+            open(SocketAddr::from(([0, 0, 0, 0], addr.port())))
+        }
+        other => other,
+    }
+}
+
 /// The kind flagd-proxy serves, and `start` by default.
 const FEATURE_FLAGS: &str = "featureflags.core.openfeature.dev";
 
 impl Start {
-    /// The `serve` this stands for: all interfaces on the given ports, the Kubernetes source,
+    /// The `serve` this stands for: all interfaces (IPv6 and IPv4) on the given ports, the
+    /// Kubernetes source,
     /// FeatureFlags as the kind it serves (so readiness checks the rights to list and watch
     /// them) unless `CRD_BROKER_RESOURCE` names kinds, every other setting from its
     /// CRD_BROKER_* variable or its default.
     pub fn serve(&self) -> anyhow::Result<Serve> {
         let mut serve = Serve::try_parse_from(["serve"])?;
-        serve.grpc_addr = MaybeAddr(Some(SocketAddr::from(([0, 0, 0, 0], self.port))));
-        serve.admin_addr = MaybeAddr(Some(SocketAddr::from(([0, 0, 0, 0], self.management_port))));
+        let any = std::net::Ipv6Addr::UNSPECIFIED;
+        serve.grpc_addr = MaybeAddr(Some(SocketAddr::from((any, self.port))));
+        serve.admin_addr = MaybeAddr(Some(SocketAddr::from((any, self.management_port))));
         serve.manifests = None;
         if let Some(identity) = &self.identity {
             serve.identity = identity.clone();
@@ -392,11 +423,9 @@ impl Serve {
 
     async fn listeners(&self) -> anyhow::Result<Listeners> {
         let tcp = match self.grpc_addr.0 {
-            Some(addr) => Some(
-                TcpListener::bind(addr)
-                    .await
-                    .with_context(|| format!("binding the gRPC address {addr}"))?,
-            ),
+            Some(addr) => {
+                Some(bind(addr).with_context(|| format!("binding the gRPC address {addr}"))?)
+            }
             None => None,
         };
         let unix = match &self.grpc_socket {
@@ -414,11 +443,9 @@ impl Serve {
             None => None,
         };
         let admin = match self.admin_addr.0 {
-            Some(addr) => Some(
-                TcpListener::bind(addr)
-                    .await
-                    .with_context(|| format!("binding the admin address {addr}"))?,
-            ),
+            Some(addr) => {
+                Some(bind(addr).with_context(|| format!("binding the admin address {addr}"))?)
+            }
             None => None,
         };
         let tls = match (&self.tls_cert, &self.tls_key) {

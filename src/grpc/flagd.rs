@@ -315,8 +315,9 @@ impl<S: Source> FlagdCore<S> {
         let (members, ticket) = self.subscribe_set(&caller, &set).await?;
         let (metrics, limit) = (self.registry.metrics().clone(), self.limit);
         let revoked = ticket.revoked();
+        let active = crate::telemetry::ActiveSync::new(&metrics);
         let ends = Box::pin(async move {
-            let _ticket = ticket;
+            let (_ticket, _active) = (ticket, active);
             tokio::select! {
                 _ = request_drain.token().cancelled() => super::drained(request_drain.reason()),
                 status = revoked => status,

@@ -356,6 +356,7 @@ pub(crate) struct Delivery {
     started: Instant,
     cold: bool,
     first: bool,
+    _sync: Option<crate::telemetry::ActiveSync>,
 }
 
 impl Delivery {
@@ -371,12 +372,15 @@ impl Delivery {
             protocol,
         };
         metrics.subscribers.get_or_create(&labels).inc();
+        let sync =
+            (protocol != Protocol::Native).then(|| crate::telemetry::ActiveSync::new(&metrics));
         Delivery {
             metrics,
             labels,
             started,
             cold,
             first: true,
+            _sync: sync,
         }
     }
 

@@ -1,4 +1,6 @@
-//! The admin HTTP server: `/livez`, `/readyz`, `/metrics` and `/debug/watches`.
+//! The admin HTTP server: `/livez`, `/readyz`, `/metrics` and `/debug/watches`, and gRPC
+//! health (`grpc.health.v1.Health`) over HTTP/2 without TLS, as flagd-proxy serves it on its
+//! management port.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -35,6 +37,7 @@ pub fn spawn<S: Source>(
     readiness: Arc<Readiness>,
     registry: Registry<S>,
     metrics: Arc<Metrics>,
+    grpc: Router,
 ) {
     let started = Instant::now();
     let heartbeat = Arc::new(AtomicU64::new(0));
@@ -61,7 +64,8 @@ pub fn spawn<S: Source>(
         .route("/readyz", get(ready))
         .route("/metrics", get(metrics_text))
         .route("/debug/watches", get(watches))
-        .with_state(admin);
+        .with_state(admin)
+        .merge(grpc);
     tokio::spawn(async move {
         if let Err(error) = axum::serve(listener, app).await {
             tracing::error!(%error, "the admin server stopped");

@@ -5,6 +5,7 @@
 
 use std::time::Duration;
 
+pub mod chart;
 pub mod dns;
 
 use crd_broker::broker::Running;
