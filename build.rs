@@ -34,8 +34,29 @@ fn streaming(name: &str, route: &str, input: &str, output: &str) -> Method {
         .build()
 }
 
+/// The commit built, for `crd_broker_build_info`: `CRD_BROKER_COMMIT` if set (an image build
+/// has no `.git`), else git's, else `unknown`.
+fn commit() -> String {
+    println!("cargo:rerun-if-env-changed=CRD_BROKER_COMMIT");
+    println!("cargo:rerun-if-changed=.git/HEAD");
+    println!("cargo:rerun-if-changed=.git/refs/heads");
+    if let Ok(commit) = std::env::var("CRD_BROKER_COMMIT") {
+        return commit;
+    }
+    std::process::Command::new("git")
+        .args(["rev-parse", "--short=12", "HEAD"])
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .and_then(|o| String::from_utf8(o.stdout).ok())
+        .map(|s| s.trim().to_string())
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| "unknown".into())
+}
+
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("cargo:rerun-if-changed=proto");
+    println!("cargo:rustc-env=CRD_BROKER_COMMIT={}", commit());
     let out = PathBuf::from(std::env::var("OUT_DIR")?);
     let descriptors = protox::compile(PROTOS, ["proto"])?;
     std::fs::write(

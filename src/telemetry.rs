@@ -238,20 +238,154 @@ pub struct FirstMessageLabels {
     pub watch: Watch,
 }
 
-/// Labels of the gRPC request counters.
+/// A gRPC method's labels in the standard server families (go-grpc-prometheus's names, which
+/// stock dashboards read). Only methods the broker serves are labels; any other path is
+/// `other`.
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct GrpcLabels {
-    /// `/package.Service/Method`.
-    pub method: String,
+    /// The service, e.g. `flagd.sync.v1.FlagSyncService`.
+    pub grpc_service: &'static str,
+    /// The method, e.g. `SyncFlags`.
+    pub grpc_method: &'static str,
+    /// `unary`, `server_stream` or `bidi_stream`.
+    pub grpc_type: &'static str,
 }
 
-/// Labels of the gRPC completion counter.
+/// [`GrpcLabels`] and the status code's name (`OK`, `NotFound`, as grpc-go spells them).
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct GrpcCodeLabels {
-    /// `/package.Service/Method`.
-    pub method: String,
-    /// The status code's name, e.g. `Ok`, `Unavailable`.
+    /// The service.
+    pub grpc_service: &'static str,
+    /// The method.
+    pub grpc_method: &'static str,
+    /// The call type.
+    pub grpc_type: &'static str,
+    /// The status code.
+    pub grpc_code: &'static str,
+}
+
+/// The status codes by number, named as grpc-go names them.
+pub const GRPC_CODES: [&str; 17] = [
+    "OK",
+    "Canceled",
+    "Unknown",
+    "InvalidArgument",
+    "DeadlineExceeded",
+    "NotFound",
+    "AlreadyExists",
+    "PermissionDenied",
+    "ResourceExhausted",
+    "FailedPrecondition",
+    "Aborted",
+    "OutOfRange",
+    "Unimplemented",
+    "Internal",
+    "Unavailable",
+    "DataLoss",
+    "Unauthenticated",
+];
+
+impl GrpcLabels {
+    /// These labels with `code` (a status number; an unknown one counts as `Unknown`).
+    pub fn with_code(&self, code: i32) -> GrpcCodeLabels {
+        let name = usize::try_from(code)
+            .ok()
+            .and_then(|c| GRPC_CODES.get(c))
+            .unwrap_or(&"Unknown");
+        GrpcCodeLabels {
+            grpc_service: self.grpc_service,
+            grpc_method: self.grpc_method,
+            grpc_type: self.grpc_type,
+            grpc_code: name,
+        }
+    }
+}
+
+/// The standard gRPC server families.
+#[derive(Clone)]
+pub struct GrpcMetrics {
+    /// `grpc_server_started_total`: calls received.
+    pub started: Family<GrpcLabels, Counter>,
+    /// `grpc_server_handled_total`: calls completed, by status code.
+    pub handled: Family<GrpcCodeLabels, Counter>,
+    /// `grpc_server_msg_received_total`: request messages.
+    pub msg_received: Family<GrpcLabels, Counter>,
+    /// `grpc_server_msg_sent_total`: response messages.
+    pub msg_sent: Family<GrpcLabels, Counter>,
+    /// `grpc_server_handling_seconds`: from the request to the call's end (a stream's life).
+    pub handling_seconds: Family<GrpcLabels, Histogram>,
+}
+
+/// How a connection reached the broker.
+#[derive(Debug, Clone, Copy, Hash, PartialEq, Eq)]
+pub enum Transport {
+    /// Plain TCP (HTTP/2 without TLS).
+    Tcp,
+    /// TCP with TLS.
+    Tls,
+    /// A unix domain socket.
+    Unix,
+}
+
+label_values!(Transport { Tcp => "tcp", Tls => "tls", Unix => "unix" });
+
+/// Labels of the connections gauge.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ConnectionLabels {
+    /// How the connections came.
+    pub transport: Transport,
+}
+
+/// Labels of the Kubernetes API request counter.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ApiRequestLabels {
+    /// `get`, `list`, `watch`, `create`, `discovery`, `version` or `other`.
+    pub verb: &'static str,
+    /// The HTTP status (`200`, `403`, …), or `error` when no answer came.
     pub code: String,
+}
+
+/// Labels of the Kubernetes API latency histogram.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ApiVerbLabels {
+    /// As [`ApiRequestLabels::verb`].
+    pub verb: &'static str,
+}
+
+/// The broker's requests to the Kubernetes API server, counted by the client's HTTP stack.
+#[derive(Clone)]
+pub struct ApiRequests {
+    /// Requests by verb and status code.
+    pub requests: Family<ApiRequestLabels, Counter>,
+    /// Seconds to the response's headers (for a watch: until it is established), by verb.
+    pub seconds: Family<ApiVerbLabels, Histogram>,
+}
+
+/// The verbs [`ApiRequestLabels`] takes.
+pub const API_VERBS: [&str; 7] = [
+    "get",
+    "list",
+    "watch",
+    "create",
+    "discovery",
+    "version",
+    "other",
+];
+
+impl Default for ApiRequests {
+    fn default() -> Self {
+        ApiRequests {
+            requests: Family::default(),
+            seconds: Family::new_with_constructor(latency_histogram),
+        }
+    }
+}
+
+/// Labels of `crd_broker_build_info`.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct BuildLabels {
+    version: &'static str,
+    commit: &'static str,
 }
 
 /// Every metric the broker exports.
@@ -273,10 +407,15 @@ pub struct Metrics {
     pub fanout_seconds: Family<ResourceLabels, Histogram>,
     /// Seconds from a subscribe to its first message, per resource.
     pub first_message_seconds: Family<FirstMessageLabels, Histogram>,
-    /// gRPC requests received.
-    pub grpc_started: Family<GrpcLabels, Counter>,
-    /// gRPC requests completed, by status code.
-    pub grpc_handled: Family<GrpcCodeLabels, Counter>,
+    /// The standard gRPC server families.
+    pub grpc: GrpcMetrics,
+    /// Connections open, by transport.
+    pub connections: Family<ConnectionLabels, Gauge>,
+    /// States a subscriber never got because a newer one replaced them first (it skipped to
+    /// the newest, ADR 0002), by kind: a sign of slow readers.
+    pub skipped_states: Family<ResourceLabels, Counter>,
+    /// Requests to the Kubernetes API server.
+    pub api: ApiRequests,
     /// Requests refused by a limit, by limit.
     pub limit_hits: Family<LimitLabels, Counter>,
     /// Identifications, by source and result.
@@ -322,6 +461,23 @@ fn latency_histogram() -> Histogram {
 
 impl Default for Metrics {
     fn default() -> Self {
+        Metrics::new(&[], ApiRequests::default())
+    }
+}
+
+/// The `grpc_server_handling_seconds` buckets of go-grpc-prometheus.
+fn grpc_histogram() -> Histogram {
+    Histogram::new([
+        0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+    ])
+}
+
+impl Metrics {
+    /// Every family, registered, with a series (at zero) for each label value known at start:
+    /// every method the broker serves and every status code, each of the `kinds` served
+    /// (`plural.group`), each limit, denial and reload outcome, so dashboards and alerts see
+    /// data before the first subscriber. `api` counts the source's Kubernetes requests.
+    pub fn new(kinds: &[String], api: ApiRequests) -> Self {
         let mut root = Registry::default();
         let m = Metrics {
             watches: Family::default(),
@@ -332,8 +488,16 @@ impl Default for Metrics {
             updates: Family::default(),
             fanout_seconds: Family::new_with_constructor(latency_histogram),
             first_message_seconds: Family::new_with_constructor(latency_histogram),
-            grpc_started: Family::default(),
-            grpc_handled: Family::default(),
+            grpc: GrpcMetrics {
+                started: Family::default(),
+                handled: Family::default(),
+                msg_received: Family::default(),
+                msg_sent: Family::default(),
+                handling_seconds: Family::new_with_constructor(grpc_histogram),
+            },
+            connections: Family::default(),
+            skipped_states: Family::default(),
+            api,
             limit_hits: Family::default(),
             identifications: Family::default(),
             denials: Family::default(),
@@ -421,16 +585,148 @@ impl Default for Metrics {
             "Tasks alive on the async runtime",
             m.runtime_tasks.clone(),
         );
-        let grpc = registry.sub_registry_with_prefix("grpc");
-        grpc.register("started", "gRPC requests received", m.grpc_started.clone());
+        registry.register(
+            "connections",
+            "Client connections open, by transport",
+            m.connections.clone(),
+        );
+        registry.register(
+            "skipped_states",
+            "States a subscriber never got because a newer one replaced them first, by kind",
+            m.skipped_states.clone(),
+        );
+        registry.register(
+            "api_requests",
+            "Requests to the Kubernetes API server, by verb and HTTP status",
+            m.api.requests.clone(),
+        );
+        registry.register(
+            "api_request_seconds",
+            "Seconds to the Kubernetes API server's response headers, by verb",
+            m.api.seconds.clone(),
+        );
+        let build = Family::<BuildLabels, Gauge>::default();
+        build
+            .get_or_create(&BuildLabels {
+                version: env!("CARGO_PKG_VERSION"),
+                commit: env!("CRD_BROKER_COMMIT"),
+            })
+            .set(1);
+        registry.register("build_info", "The broker's version and commit", build);
+        let grpc = root.sub_registry_with_prefix("grpc_server");
+        grpc.register(
+            "started",
+            "gRPC calls started on the server",
+            m.grpc.started.clone(),
+        );
         grpc.register(
             "handled",
-            "gRPC requests completed, by status code",
-            m.grpc_handled.clone(),
+            "gRPC calls completed on the server, by status code",
+            m.grpc.handled.clone(),
         );
-        Metrics {
+        grpc.register(
+            "msg_received",
+            "gRPC request messages received",
+            m.grpc.msg_received.clone(),
+        );
+        grpc.register(
+            "msg_sent",
+            "gRPC response messages sent",
+            m.grpc.msg_sent.clone(),
+        );
+        grpc.register(
+            "handling_seconds",
+            "Seconds from a gRPC call's start to its end (a stream's life)",
+            m.grpc.handling_seconds.clone(),
+        );
+        root.register_collector(Box::new(crate::ops::process::Process));
+        let m = Metrics {
             registry: root,
             ..m
+        };
+        m.initialize(kinds);
+        m
+    }
+
+    /// The series known at start, at zero.
+    fn initialize(&self, kinds: &[String]) {
+        for method in crate::transport::METHODS {
+            let labels = method.labels();
+            let _ = self.grpc.started.get_or_create(&labels);
+            let _ = self.grpc.msg_received.get_or_create(&labels);
+            let _ = self.grpc.msg_sent.get_or_create(&labels);
+            let _ = self.grpc.handling_seconds.get_or_create(&labels);
+            for code in 0..GRPC_CODES.len() as i32 {
+                let _ = self.grpc.handled.get_or_create(&labels.with_code(code));
+            }
+        }
+        for kind in kinds {
+            let resource = ResourceLabels {
+                resource: kind.clone(),
+            };
+            let _ = self.watches.get_or_create(&resource);
+            let _ = self.watch_starts.get_or_create(&resource);
+            let _ = self.updates.get_or_create(&resource);
+            let _ = self.skipped_states.get_or_create(&resource);
+            let _ = self.fanout_seconds.get_or_create(&resource);
+            for protocol in [Protocol::Native, Protocol::Flagd, Protocol::FlagdLegacy] {
+                let _ = self.subscribers.get_or_create(&SubscriberLabels {
+                    resource: kind.clone(),
+                    protocol,
+                });
+            }
+            for reason in [StopReason::Idle, StopReason::Shutdown] {
+                let _ = self.watch_stops.get_or_create(&StopLabels {
+                    resource: kind.clone(),
+                    reason,
+                });
+            }
+            for reason in crate::source::SourceError::REASONS {
+                let _ = self.watch_errors.get_or_create(&ErrorLabels {
+                    resource: kind.clone(),
+                    reason: reason.to_string(),
+                });
+            }
+        }
+        for protocol in [Protocol::Native, Protocol::Flagd, Protocol::FlagdLegacy] {
+            for watch in [Watch::Cold, Watch::Warm] {
+                let _ = self
+                    .first_message_seconds
+                    .get_or_create(&FirstMessageLabels { protocol, watch });
+            }
+        }
+        for transport in [Transport::Tcp, Transport::Tls, Transport::Unix] {
+            let _ = self
+                .connections
+                .get_or_create(&ConnectionLabels { transport });
+        }
+        for limit in [
+            Limit::MaxWatches,
+            Limit::StreamsPerCaller,
+            Limit::NewWatchRate,
+            Limit::RequestSize,
+        ] {
+            let _ = self.limit_hits.get_or_create(&LimitLabels { limit });
+        }
+        for reason in [
+            Denial::Namespace,
+            Denial::Kind,
+            Denial::ClusterScoped,
+            Denial::Revoked,
+        ] {
+            let _ = self.denials.get_or_create(&DenialLabels { reason });
+        }
+        for result in [ReloadResult::Loaded, ReloadResult::Refused] {
+            let _ = self.policy_reloads.get_or_create(&ReloadLabels { result });
+        }
+        for verb in ["get", "list", "watch"] {
+            let _ = self.api.requests.get_or_create(&ApiRequestLabels {
+                verb,
+                code: "200".into(),
+            });
+        }
+        for verb in API_VERBS {
+            let _ = self.api.seconds.get_or_create(&ApiVerbLabels { verb });
         }
     }
 }
@@ -580,42 +876,48 @@ mod tests {
     }
 
     #[test]
-    fn metrics_encode_with_prometheus_names() {
-        let m = Metrics::default();
-        let labels = ResourceLabels {
-            resource: "featureflags.core.openfeature.dev".into(),
-        };
-        m.watches.get_or_create(&labels).inc();
-        m.grpc_handled
-            .get_or_create(&GrpcCodeLabels {
-                method: "/x.Y/Z".into(),
-                code: "Ok".into(),
-            })
-            .inc();
+    fn metrics_encode_with_prometheus_names_and_every_family_has_series_from_the_start() {
+        let kind = "featureflags.core.openfeature.dev".to_string();
+        let m = Metrics::new(std::slice::from_ref(&kind), ApiRequests::default());
         let text = m.encode();
-        assert!(
-            text.contains(r#"crd_broker_watches{resource="featureflags.core.openfeature.dev"} 1"#),
-            "{text}"
+        for series in [
+            r#"crd_broker_watches{resource="featureflags.core.openfeature.dev"} 0"#,
+            r#"crd_broker_subscribers{resource="featureflags.core.openfeature.dev",protocol="flagd"} 0"#,
+            r#"crd_broker_updates_total{resource="featureflags.core.openfeature.dev"} 0"#,
+            r#"crd_broker_skipped_states_total{resource="featureflags.core.openfeature.dev"} 0"#,
+            r#"crd_broker_fanout_seconds_count{resource="featureflags.core.openfeature.dev"} 0"#,
+            r#"crd_broker_watch_errors_total{resource="featureflags.core.openfeature.dev",reason="unavailable"} 0"#,
+            r#"crd_broker_denials_total{reason="namespace"} 0"#,
+            r#"crd_broker_connections{transport="tcp"} 0"#,
+            r#"crd_broker_api_requests_total{verb="watch",code="200"} 0"#,
+            r#"crd_broker_source_stale_seconds 0"#,
+            r#"sync_active_streams 0"#,
+            r#"grpc_server_started_total{grpc_service="flagd.sync.v1.FlagSyncService",grpc_method="SyncFlags",grpc_type="server_stream"} 0"#,
+            r#"grpc_server_handled_total{grpc_service="crdbroker.v1.Broker",grpc_method="Subscribe",grpc_type="server_stream",grpc_code="Unavailable"} 0"#,
+            r#"grpc_server_msg_sent_total{grpc_service="crdbroker.v1.Broker",grpc_method="Subscribe",grpc_type="server_stream"} 0"#,
+            r#"grpc_server_handling_seconds_bucket{le="0.005",grpc_service="sync.v1.FlagSyncService",grpc_method="FetchAllFlags",grpc_type="unary"} 0"#,
+        ] {
+            assert!(text.contains(series), "{series} in:\n{text}");
+        }
+        let build = format!(
+            r#"crd_broker_build_info{{version="{}",commit="{}"}} 1"#,
+            env!("CARGO_PKG_VERSION"),
+            env!("CRD_BROKER_COMMIT")
         );
-        assert!(
-            text.contains(r#"crd_broker_grpc_handled_total{method="/x.Y/Z",code="Ok"} 1"#),
-            "{text}"
-        );
-        assert!(
-            !text.contains("crd_broker_fanout_seconds"),
-            "families without samples are left out"
-        );
-        m.fanout_seconds.get_or_create(&labels).observe(0.002);
-        let text = m.encode();
-        assert!(
-            text.contains("# TYPE crd_broker_fanout_seconds histogram"),
-            "{text}"
-        );
-        assert!(
-            text.contains(
-                r#"crd_broker_fanout_seconds_count{resource="featureflags.core.openfeature.dev"} 1"#
-            ),
-            "{text}"
-        );
+        assert!(text.contains(&build), "{text}");
+        for family in [
+            "process_cpu_seconds_total",
+            "process_resident_memory_bytes",
+            "process_open_fds",
+            "process_max_fds",
+            "process_start_time_seconds",
+            "process_threads",
+        ] {
+            assert!(
+                text.lines().any(|l| l.starts_with(&format!("{family} "))),
+                "{family} in:\n{text}"
+            );
+        }
+        assert!(text.ends_with("# EOF\n") && text.matches("# EOF").count() == 1);
     }
 }

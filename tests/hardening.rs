@@ -407,6 +407,7 @@ async fn invented_methods_add_no_metric_series() {
     };
     let broker = broker_with(&fake, listeners, Default::default(), vec![]);
     let channel = support::channel_from(broker.addr, "127.0.0.1").await;
+    let before = metrics(broker.admin_addr.unwrap()).await;
     for i in 0..300 {
         let path = format!("/crdbroker.v1.Broker/Invented{i}");
         let status = raw_call(channel.clone(), &path, Vec::new(), &[])
@@ -415,13 +416,18 @@ async fn invented_methods_add_no_metric_series() {
         assert_eq!(status.code(), Code::Unimplemented);
     }
     let m = metrics(broker.admin_addr.unwrap()).await;
-    let series: Vec<&String> = m
-        .keys()
-        .filter(|k| k.starts_with("crd_broker_grpc_"))
-        .collect();
-    assert!(series.len() <= 3, "{series:?}");
+    // The only new series are those of `other`: one per family (and histogram bucket).
+    let new: Vec<&String> = m.keys().filter(|k| !before.contains_key(*k)).collect();
+    assert!(
+        new.iter().all(|k| k.contains(r#"grpc_method="other""#)),
+        "{new:?}"
+    );
+    assert!(new.len() <= 20, "{} new series: {new:?}", new.len());
     assert_eq!(
-        get(&m, r#"crd_broker_grpc_started_total{method="other"}"#),
+        get(
+            &m,
+            r#"grpc_server_started_total{grpc_service="other",grpc_method="other",grpc_type="unknown"}"#
+        ),
         300.0
     );
 }

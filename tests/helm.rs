@@ -69,6 +69,14 @@ fn check_types(docs: &[Value]) {
                 assert_eq!(doc["spec"]["endpoints"][0]["port"], "admin");
                 assert_eq!(doc["spec"]["endpoints"][0]["path"], "/metrics");
             }
+            "PrometheusRule" => {
+                assert_eq!(doc["apiVersion"], "monitoring.coreos.com/v1");
+                assert!(
+                    doc["spec"]["groups"]
+                        .as_array()
+                        .is_some_and(|g| !g.is_empty())
+                );
+            }
             other => panic!("unexpected kind {other}"),
         }
     }
@@ -474,4 +482,37 @@ fn watch_namespaces_confine_the_broker_and_grant_by_a_role_in_each() {
             .all(|r| r["resources"] != json!(["featureflags"])),
         "{rules}"
     );
+}
+
+#[test]
+fn the_alerts_and_the_dashboard_ship_in_the_chart_as_their_files_hold_them() {
+    let defaults = render(json!({})).expect("renders");
+    assert!(
+        kind(&defaults, "PrometheusRule").is_empty(),
+        "off by default"
+    );
+    let docs = render(json!({
+        "prometheusRule": { "enabled": true, "labels": { "release": "prometheus" } },
+        "grafanaDashboard": { "enabled": true },
+    }))
+    .expect("renders");
+    check_types(&docs);
+    let rule = kind(&docs, "PrometheusRule")[0];
+    assert_eq!(rule["metadata"]["labels"]["release"], "prometheus");
+    let file: Value =
+        serde_yaml::from_str(&std::fs::read_to_string(chart().join("files/alerts.yaml")).unwrap())
+            .unwrap();
+    assert_eq!(rule["spec"]["groups"], file["groups"]);
+    let dashboard = kind(&docs, "ConfigMap")
+        .into_iter()
+        .find(|c| c["metadata"]["name"] == "flags-crd-broker-dashboard")
+        .expect("the dashboard's ConfigMap");
+    assert_eq!(dashboard["metadata"]["labels"]["grafana_dashboard"], "1");
+    let json: Value =
+        serde_json::from_str(dashboard["data"]["crd-broker.json"].as_str().unwrap()).unwrap();
+    let file: Value = serde_json::from_str(
+        &std::fs::read_to_string(chart().join("files/dashboard.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(json, file);
 }

@@ -189,9 +189,24 @@ async fn metrics_and_debug_watches_move_as_the_broker_works() {
     assert_eq!(
         get(
             &m,
-            r#"crd_broker_grpc_started_total{method="/crdbroker.v1.Broker/Subscribe"}"#
+            r#"grpc_server_started_total{grpc_service="crdbroker.v1.Broker",grpc_method="Subscribe",grpc_type="server_stream"}"#
         ),
         2.0
+    );
+    assert!(
+        get(
+            &m,
+            r#"grpc_server_msg_sent_total{grpc_service="crdbroker.v1.Broker",grpc_method="Subscribe",grpc_type="server_stream"}"#
+        ) >= 2.0,
+        "a SNAPSHOT each"
+    );
+    assert_eq!(
+        get(
+            &m,
+            r#"grpc_server_msg_received_total{grpc_service="crdbroker.v1.Broker",grpc_method="Subscribe",grpc_type="server_stream"}"#
+        ),
+        2.0,
+        "a request each"
     );
 
     // An update reaching both subscribers: one fan-out sample.
@@ -255,7 +270,7 @@ async fn metrics_and_debug_watches_move_as_the_broker_works() {
     assert_eq!(
         get(
             &m,
-            r#"crd_broker_grpc_handled_total{method="/crdbroker.v1.Broker/Subscribe",code="NotFound"}"#
+            r#"grpc_server_handled_total{grpc_service="crdbroker.v1.Broker",grpc_method="Subscribe",grpc_type="server_stream",grpc_code="NotFound"}"#
         ),
         1.0
     );
@@ -291,7 +306,7 @@ async fn metrics_and_debug_watches_move_as_the_broker_works() {
     assert_eq!(
         get(
             &m,
-            r#"crd_broker_grpc_handled_total{method="/crdbroker.v1.Broker/Subscribe",code="Cancelled"}"#
+            r#"grpc_server_handled_total{grpc_service="crdbroker.v1.Broker",grpc_method="Subscribe",grpc_type="server_stream",grpc_code="Canceled"}"#
         ),
         2.0,
         "streams the clients dropped"

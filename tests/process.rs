@@ -745,6 +745,13 @@ async fn serve_speaks_http2_to_a_tls_api_server_unless_api_http2_is_off() {
                 .map(|r| (&r.verb, &r.version))
                 .collect::<Vec<_>>()
         );
+        // The broker counts its own requests as the API server saw them, over either stack.
+        let counted = metrics(broker.admin).await;
+        for verb in ["list", "watch"] {
+            let seen = requests.iter().filter(|r| r.verb == verb).count() as f64;
+            let key = format!(r#"crd_broker_api_requests_total{{verb="{verb}",code="200"}}"#);
+            assert_eq!(get(&counted, &key), seen, "{env:?}: {verb}");
+        }
         // Gone before the next one starts, so that none of its requests is counted there.
         broker.child.kill().await.unwrap();
         assert!(

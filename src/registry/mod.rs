@@ -515,10 +515,20 @@ fn publish(
         }
     }
     let subscribers = tx.receiver_count();
+    // Subscribers present when `old` was published that have not written it now skip it.
+    let skipped = |old: &Update| {
+        let missed = old.pending.load(Ordering::Acquire) as u64;
+        if missed > 0 {
+            metrics.skipped_states.get_or_create(labels).inc_by(missed);
+        }
+    };
     let modified = match item {
         Ok(Observed::Present(object)) => tx.send_if_modified(|state| match state {
             State::Present(u) if u.same_version(&object) => false,
             _ => {
+                if let State::Present(old) = state {
+                    skipped(old);
+                }
                 let update = Update::new(object);
                 update.pending.store(subscribers, Ordering::Release);
                 *state = State::Present(Arc::new(update));
@@ -528,6 +538,7 @@ fn publish(
         Ok(Observed::Absent) => tx.send_if_modified(|state| match state {
             State::Absent { .. } => false,
             State::Present(u) => {
+                skipped(u);
                 *state = State::Absent {
                     last: Some(u.clone()),
                 };

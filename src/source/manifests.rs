@@ -323,6 +323,13 @@ impl Source for Manifests {
 
     /// The set's members after every change to the directory (the stream's reader tells the
     /// changes apart).
+    fn kinds(&self) -> Vec<String> {
+        self.allowed
+            .iter()
+            .map(|k| format!("{}.{}", k.resource, k.group))
+            .collect()
+    }
+
     fn watch_set(&self, set: &Set) -> BoxStream<'static, SetEvent> {
         let set = set.clone();
         let rx = self.catalog.clone();

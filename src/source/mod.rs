@@ -81,6 +81,15 @@ impl SourceError {
         matches!(self, SourceError::Unavailable(_))
     }
 
+    /// Every [`SourceError::reason`].
+    pub const REASONS: [&str; 5] = [
+        "unknown_kind",
+        "not_allowed",
+        "forbidden",
+        "invalid",
+        "unavailable",
+    ];
+
     /// A short label for metrics.
     pub fn reason(&self) -> &'static str {
         match self {
@@ -199,6 +208,17 @@ pub trait Source: Send + Sync + 'static {
     /// Checks that the source answers and lets the broker read the kinds it serves; `Err` says
     /// what is wrong. Run in the background for readiness, never per probe.
     fn check(&self) -> impl Future<Output = Result<(), String>> + Send;
+
+    /// The kinds it is configured to serve, as `plural.group` (empty: any kind), for metrics
+    /// to have their series from the start.
+    fn kinds(&self) -> Vec<String> {
+        Vec::new()
+    }
+
+    /// What its client counts of its requests to an API server, if it has one.
+    fn api_requests(&self) -> Option<crate::telemetry::ApiRequests> {
+        None
+    }
 
     /// Watches a set: its members when it starts, then each change, retrying by itself until
     /// dropped. Sources that serve no sets say so once.

@@ -1,6 +1,6 @@
 //! The HTTP/2 server the gRPC services run on: TCP (plain or TLS) and unix-socket listeners, a
 //! drain per connection, a maximum connection age, HTTP/2 keepalive, a request size limit, and
-//! a count of gRPC calls by method and code.
+//! the standard gRPC server metrics, and a gauge of open connections.
 //!
 //! tonic's own server is not used: with a grace period its max-connection-age sends no GOAWAY,
 //! it cannot jitter the age, and it has no certificate reload. Each connection here is a hyper
@@ -33,7 +33,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::conn::{ConnDrain, Peer, PeerAddr};
-use crate::telemetry::{GrpcCodeLabels, GrpcLabels, LimitLabels, Metrics};
+use crate::telemetry::{ConnectionLabels, GrpcLabels, LimitLabels, Metrics, Transport};
 
 pub mod on_wake;
 pub mod tls;
@@ -225,6 +225,11 @@ async fn accept_tcp(listener: TcpListener, tls: Option<Arc<Tls>>, ctx: Arc<ConnC
         let tls = tls.clone();
         let task_ctx = ctx.clone();
         ctx.connections.spawn(async move {
+            let transport = if tls.is_some() {
+                Transport::Tls
+            } else {
+                Transport::Tcp
+            };
             let (io, certs): (Box<dyn Io>, _) = match tls {
                 None => (Box::new(stream), None),
                 Some(tls) => {
@@ -253,7 +258,7 @@ async fn accept_tcp(listener: TcpListener, tls: Option<Arc<Tls>>, ctx: Arc<ConnC
                 }
             };
             let peer = task_ctx.peer(addr, certs);
-            serve_connection(io, peer, task_ctx).await;
+            serve_connection(io, peer, task_ctx, transport).await;
         });
     }
 }
@@ -273,8 +278,12 @@ async fn accept_unix(listener: UnixListener, path: PathBuf, ctx: Arc<ConnCtx>) {
                 };
                 let peer = ctx.peer(addr, None);
                 let task_ctx = ctx.clone();
-                ctx.connections
-                    .spawn(serve_connection(Box::new(stream), peer, task_ctx));
+                ctx.connections.spawn(serve_connection(
+                    Box::new(stream),
+                    peer,
+                    task_ctx,
+                    Transport::Unix,
+                ));
             }
             Err(error) => {
                 tracing::warn!(%error, "accepting a unix connection");
@@ -293,7 +302,23 @@ fn jittered(age: Duration) -> Duration {
     age.mul_f64(factor)
 }
 
-async fn serve_connection(io: Box<dyn Io>, peer: Peer, ctx: Arc<ConnCtx>) {
+/// Counts one open connection in the connections gauge while it lives.
+struct Open(prometheus_client::metrics::gauge::Gauge);
+
+impl Drop for Open {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
+}
+
+async fn serve_connection(io: Box<dyn Io>, peer: Peer, ctx: Arc<ConnCtx>, transport: Transport) {
+    let gauge = ctx
+        .metrics
+        .connections
+        .get_or_create(&ConnectionLabels { transport })
+        .clone();
+    gauge.inc();
+    let _open = Open(gauge);
     let drain = ConnDrain::new(ctx.shutdown.child_token());
     let connect_info = match peer.addr {
         PeerAddr::Tcp { remote, local } => Some(tonic::transport::server::TcpConnectInfo {
@@ -370,28 +395,66 @@ struct ConnService {
     max_request_bytes: usize,
 }
 
+/// A gRPC method the broker serves.
+#[derive(Debug, Clone, Copy)]
+pub struct Method {
+    /// `/package.Service/Method`.
+    pub path: &'static str,
+    /// `unary`, `server_stream` or `bidi_stream`.
+    pub kind: &'static str,
+}
+
+impl Method {
+    /// Its labels in the gRPC server families.
+    pub fn labels(&self) -> GrpcLabels {
+        let (service, method) = self
+            .path
+            .trim_start_matches('/')
+            .split_once('/')
+            .unwrap_or(("other", "other"));
+        GrpcLabels {
+            grpc_service: service,
+            grpc_method: method,
+            grpc_type: self.kind,
+        }
+    }
+}
+
+const fn method(path: &'static str, kind: &'static str) -> Method {
+    Method { path, kind }
+}
+
 /// Every method the broker serves; any other path counts as `other`, so that clients cannot
 /// add series to `/metrics`.
-pub const METHODS: &[&str] = &[
-    "/crdbroker.v1.Broker/Subscribe",
-    "/flagd.sync.v1.FlagSyncService/SyncFlags",
-    "/flagd.sync.v1.FlagSyncService/FetchAllFlags",
-    "/flagd.sync.v1.FlagSyncService/GetMetadata",
-    "/sync.v1.FlagSyncService/SyncFlags",
-    "/sync.v1.FlagSyncService/FetchAllFlags",
-    "/grpc.health.v1.Health/Check",
-    "/grpc.health.v1.Health/Watch",
-    "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
-    "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+pub const METHODS: &[Method] = &[
+    method("/crdbroker.v1.Broker/Subscribe", "server_stream"),
+    method("/flagd.sync.v1.FlagSyncService/SyncFlags", "server_stream"),
+    method("/flagd.sync.v1.FlagSyncService/FetchAllFlags", "unary"),
+    method("/flagd.sync.v1.FlagSyncService/GetMetadata", "unary"),
+    method("/sync.v1.FlagSyncService/SyncFlags", "server_stream"),
+    method("/sync.v1.FlagSyncService/FetchAllFlags", "unary"),
+    method("/grpc.health.v1.Health/Check", "unary"),
+    method("/grpc.health.v1.Health/Watch", "server_stream"),
+    method(
+        "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+        "bidi_stream",
+    ),
+    method(
+        "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+        "bidi_stream",
+    ),
 ];
 
-/// The method label: a method the broker serves, or `other`.
-fn method_label(path: &str) -> &'static str {
-    METHODS
-        .iter()
-        .find(|m| **m == path)
-        .copied()
-        .unwrap_or("other")
+/// The labels of the method at `path`: one the broker serves, or `other`.
+fn method_labels(path: &str) -> GrpcLabels {
+    match METHODS.iter().find(|m| m.path == path) {
+        Some(m) => m.labels(),
+        None => GrpcLabels {
+            grpc_service: "other",
+            grpc_method: "other",
+            grpc_type: "unknown",
+        },
+    }
 }
 
 impl tower::Service<http::Request<Incoming>> for ConnService {
@@ -410,29 +473,28 @@ impl tower::Service<http::Request<Incoming>> for ConnService {
         if let Some(info) = &self.connect_info {
             parts.extensions.insert(info.clone());
         }
+        let labels = method_labels(parts.uri.path());
+        self.metrics.grpc.started.get_or_create(&labels).inc();
         let limited = LimitedBody {
             inner: body,
             limit: self.max_request_bytes,
             state: Prefix::default(),
             metrics: self.metrics.clone(),
+            labels: labels.clone(),
         };
         let request = http::Request::from_parts(parts, tonic::body::Body::new(limited));
-        let method = method_label(request.uri().path());
-        self.metrics
-            .grpc_started
-            .get_or_create(&GrpcLabels {
-                method: method.to_string(),
-            })
-            .inc();
         let metrics = self.metrics.clone();
+        let started = std::time::Instant::now();
         let future = tower::Service::call(&mut self.inner, request);
         Box::pin(async move {
             let response = future.await?;
             let (parts, body) = response.into_parts();
             let mut counted = CountedBody {
                 inner: body,
-                method,
+                labels,
                 metrics,
+                started,
+                sent: Prefix::default(),
                 done: false,
             };
             // A trailers-only response (an error before any message) has its status in the headers.
@@ -466,8 +528,10 @@ impl Default for Prefix {
 }
 
 impl Prefix {
-    /// Advances over `data`; the length of the first message over `limit`, if any.
-    fn advance(&mut self, mut data: &[u8], limit: usize) -> Option<usize> {
+    /// Advances over `data`: how many messages began in it, or the length of the first message
+    /// over `limit`.
+    fn advance(&mut self, mut data: &[u8], limit: usize) -> Result<u64, usize> {
+        let mut began = 0;
         while !data.is_empty() {
             match self {
                 Prefix::Reading { got, len } => {
@@ -479,8 +543,9 @@ impl Prefix {
                         let size = u32::from_be_bytes([got[1], got[2], got[3], got[4]]) as usize;
                         if size > limit {
                             *self = Prefix::Refused;
-                            return Some(size);
+                            return Err(size);
                         }
+                        began += 1;
                         *self = if size == 0 {
                             Prefix::default()
                         } else {
@@ -496,10 +561,10 @@ impl Prefix {
                         *self = Prefix::default();
                     }
                 }
-                Prefix::Refused => return None,
+                Prefix::Refused => return Ok(began),
             }
         }
-        None
+        Ok(began)
     }
 }
 
@@ -511,6 +576,7 @@ struct LimitedBody {
     limit: usize,
     state: Prefix,
     metrics: Arc<Metrics>,
+    labels: GrpcLabels,
 }
 
 impl Body for LimitedBody {
@@ -529,7 +595,14 @@ impl Body for LimitedBody {
             Some(Ok(frame)) => {
                 if let Some(data) = frame.data_ref() {
                     let limit = self.limit;
-                    if let Some(size) = self.state.advance(data.chunk(), limit) {
+                    let advanced = self.state.advance(data.chunk(), limit);
+                    if let Ok(began) = advanced
+                        && began > 0
+                    {
+                        let received = self.metrics.grpc.msg_received.get_or_create(&self.labels);
+                        received.inc_by(began);
+                    }
+                    if let Err(size) = advanced {
                         self.metrics
                             .limit_hits
                             .get_or_create(&LimitLabels {
@@ -557,12 +630,15 @@ impl Body for LimitedBody {
     }
 }
 
-/// A response body that counts the call's status code when it ends (a client that goes away
-/// first counts as `Cancelled`).
+/// A response body that counts the call's messages as they go and its status code and
+/// duration when it ends (a client that goes away first counts as `Canceled`).
 pub struct CountedBody {
     inner: tonic::body::Body,
-    method: &'static str,
+    labels: GrpcLabels,
     metrics: Arc<Metrics>,
+    started: std::time::Instant,
+    /// Where the response is in its gRPC framing, to count messages.
+    sent: Prefix,
     done: bool,
 }
 
@@ -575,15 +651,14 @@ impl CountedBody {
         let code = std::str::from_utf8(code)
             .ok()
             .and_then(|c| c.parse::<i32>().ok())
-            .map(|c| format!("{:?}", tonic::Code::from_i32(c)))
-            .unwrap_or_else(|| "Unknown".to_string());
-        self.metrics
-            .grpc_handled
-            .get_or_create(&GrpcCodeLabels {
-                method: self.method.to_string(),
-                code,
-            })
+            .unwrap_or(2);
+        let grpc = &self.metrics.grpc;
+        grpc.handled
+            .get_or_create(&self.labels.with_code(code))
             .inc();
+        grpc.handling_seconds
+            .get_or_create(&self.labels)
+            .observe(self.started.elapsed().as_secs_f64());
     }
 }
 
@@ -602,12 +677,17 @@ impl Body for CountedBody {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
         let polled = Pin::new(&mut self.inner).poll_frame(cx);
-        if let Poll::Ready(Some(Ok(frame))) = &polled
-            && let Some(trailers) = frame.trailers_ref()
-            && let Some(code) = trailers.get("grpc-status")
-        {
-            let code = code.as_bytes().to_vec();
-            self.record(&code);
+        if let Poll::Ready(Some(Ok(frame))) = &polled {
+            if let Some(data) = frame.data_ref() {
+                let began = self.sent.advance(data.chunk(), usize::MAX).unwrap_or(0);
+                if began > 0 {
+                    let sent = self.metrics.grpc.msg_sent.get_or_create(&self.labels);
+                    sent.inc_by(began);
+                }
+            } else if let Some(code) = frame.trailers_ref().and_then(|t| t.get("grpc-status")) {
+                let code = code.as_bytes().to_vec();
+                self.record(&code);
+            }
         }
         polled
     }
@@ -639,13 +719,25 @@ mod tests {
 
     #[test]
     fn method_labels_are_a_closed_set() {
+        let subscribe = method_labels("/crdbroker.v1.Broker/Subscribe");
         assert_eq!(
-            method_label("/crdbroker.v1.Broker/Subscribe"),
-            "/crdbroker.v1.Broker/Subscribe"
+            (
+                subscribe.grpc_service,
+                subscribe.grpc_method,
+                subscribe.grpc_type
+            ),
+            ("crdbroker.v1.Broker", "Subscribe", "server_stream")
         );
-        assert_eq!(method_label("/evil/random-path-123"), "other");
-        assert_eq!(method_label("/crdbroker.v1.Broker/Invented"), "other");
-        assert_eq!(method_label("/crdbroker.v1.Broker/Subscribe2"), "other");
+        for path in [
+            "/evil/random-path-123",
+            "/crdbroker.v1.Broker/Invented",
+            "/crdbroker.v1.Broker/Subscribe2",
+        ] {
+            assert_eq!(method_labels(path).grpc_method, "other", "{path}");
+        }
+        assert_eq!(subscribe.with_code(0).grpc_code, "OK");
+        assert_eq!(subscribe.with_code(1).grpc_code, "Canceled");
+        assert_eq!(subscribe.with_code(99).grpc_code, "Unknown");
     }
 
     fn message(len: usize) -> Vec<u8> {
@@ -661,15 +753,25 @@ mod tests {
         data.extend(message(0));
         data.extend(message(3));
         data.extend(message(11));
-        // Every way of cutting the body into two frames finds the one message over 10.
+        // Every way of cutting the body into two frames finds the one message over 10, after
+        // counting the three before it.
         for cut in 0..data.len() {
             let mut state = Prefix::default();
             let first = state.advance(&data[..cut], 10);
             let second = state.advance(&data[cut..], 10);
-            assert_eq!(first.or(second), Some(11), "cut at {cut}");
+            let (began, over) = match (first, second) {
+                (Ok(a), Err(size)) => (a, size),
+                (Err(size), _) => (0, size),
+                other => panic!("cut at {cut}: {other:?}"),
+            };
+            assert_eq!(over, 11, "cut at {cut}");
+            assert!(began <= 3, "cut at {cut}");
         }
         let mut state = Prefix::default();
-        assert_eq!(state.advance(&message(10), 10), None);
-        assert_eq!(state.advance(&message(10), 10), None);
+        assert_eq!(state.advance(&message(10), 10), Ok(1));
+        let mut two = message(10);
+        two.extend(message(2));
+        assert_eq!(state.advance(&two, 10), Ok(2));
+        assert_eq!(state.advance(&[0, 0], 10), Ok(0), "half a prefix");
     }
 }

@@ -131,6 +131,15 @@ func toInt(v interface{}) int {
 	return 0
 }
 
+// Files is the chart's `.Files`: Get reads a file under the chart's directory (an error for a
+// missing one, where helm would give "", so a wrong path cannot render silently).
+type Files struct{ dir string }
+
+func (f Files) Get(name string) (string, error) {
+	text, err := os.ReadFile(filepath.Join(f.dir, name))
+	return string(text), err
+}
+
 func main() {
 	if len(os.Args) != 3 {
 		fmt.Fprintln(os.Stderr, "usage: render CHART_DIR CONTEXT.json")
@@ -147,6 +156,7 @@ func main() {
 		fmt.Fprintln(os.Stderr, err)
 		os.Exit(2)
 	}
+	ctx["Files"] = Files{dir: chart}
 	root := template.New("chart").Option("missingkey=error")
 	funcs := template.FuncMap{
 		"toYaml":     toYaml,

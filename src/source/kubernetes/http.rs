@@ -53,18 +53,30 @@ pub enum ApiHttp2 {
 /// A kube client for `config`: over this module's pool for an `https` API server with
 /// `Auto`, else kube's own stack (there is no cleartext HTTP/2 to the API server, and kube's
 /// stack is the one that goes through a `proxy-url`).
-pub fn client(config: kube::Config, mode: ApiHttp2) -> kube::Result<kube::Client> {
+/// Its requests are counted in `requests`.
+pub fn client(
+    config: kube::Config,
+    mode: ApiHttp2,
+    requests: crate::telemetry::ApiRequests,
+) -> kube::Result<kube::Client> {
+    let count = super::requests::Count(requests);
+    let stock = |config: kube::Config| -> kube::Result<kube::Client> {
+        Ok(kube::client::ClientBuilder::try_from(config)?
+            .with_layer(&count)
+            .build())
+    };
     if mode == ApiHttp2::Off || config.cluster_url.scheme_str() != Some("https") {
-        return kube::Client::try_from(config);
+        return stock(config);
     }
     if config.proxy_url.is_some() {
         tracing::info!(
             "the kubeconfig names a proxy-url: speaking HTTP/1.1 to the API server through it"
         );
-        return kube::Client::try_from(config);
+        return stock(config);
     }
     let pool = Pool::new(&config)?;
     let service = ServiceBuilder::new()
+        .layer(count.clone())
         .layer(config.base_uri_layer())
         .option_layer(config.auth_layer()?)
         .layer(config.extra_headers_layer()?)

@@ -20,6 +20,7 @@ use crate::selector::{KindRef, Selector};
 mod follow;
 mod granularity;
 pub mod http;
+mod requests;
 mod rights;
 
 pub use http::ApiHttp2;
@@ -80,6 +81,8 @@ pub struct Kubernetes {
     discovery_ttl: Duration,
     recovery: Arc<Recovery>,
     granularity: Arc<granularity::Granularity>,
+    /// What the client counts of its requests (nothing, for a client made elsewhere).
+    api_requests: crate::telemetry::ApiRequests,
 }
 
 /// A discovery answer with how long it may be served: `worked` when it worked, briefly when it
@@ -113,6 +116,7 @@ impl Kubernetes {
             last_group_versions: Mutex::new(HashMap::new()),
             discovery_ttl: DISCOVERY_TTL,
             granularity: granularity::Granularity::new(DEFAULT_NAMESPACE_WATCH_THRESHOLD),
+            api_requests: crate::telemetry::ApiRequests::default(),
         }
     }
 
@@ -162,7 +166,12 @@ impl Kubernetes {
     pub async fn infer(allowed: Vec<KindRef>, http2: ApiHttp2) -> anyhow::Result<Self> {
         let mut config = kube::Config::infer().await?;
         config.read_timeout = Some(READ_TIMEOUT);
-        Ok(Self::new(http::client(config, http2)?, allowed))
+        let requests = crate::telemetry::ApiRequests::default();
+        let client = http::client(config, http2, requests.clone())?;
+        Ok(Kubernetes {
+            api_requests: requests,
+            ..Self::new(client, allowed)
+        })
     }
 
     /// The client.
@@ -545,6 +554,17 @@ fn to_object(obj: &DynamicObject) -> Object {
 }
 
 impl Source for Kubernetes {
+    fn kinds(&self) -> Vec<String> {
+        self.allowed
+            .iter()
+            .map(|k| format!("{}.{}", k.resource, k.group))
+            .collect()
+    }
+
+    fn api_requests(&self) -> Option<crate::telemetry::ApiRequests> {
+        Some(self.api_requests.clone())
+    }
+
     async fn resolve(&self, selector: &Selector) -> Result<Selector, SourceError> {
         self.namespace_served(selector.namespace.as_deref())?;
         let (names, version) = self.discover(&selector.kind).await?;
