@@ -42,6 +42,7 @@ pub mod selector;
 pub mod source;
 pub mod telemetry;
 pub mod transport;
+pub mod yaml;
 
 /// Protobuf types, the generated clients (prost) and servers (pre-encoded streams).
 #[allow(missing_docs, clippy::all, clippy::pedantic)]

@@ -499,9 +499,10 @@ fn the_alerts_and_the_dashboard_ship_in_the_chart_as_their_files_hold_them() {
     check_types(&docs);
     let rule = kind(&docs, "PrometheusRule")[0];
     assert_eq!(rule["metadata"]["labels"]["release"], "prometheus");
-    let file: Value =
-        serde_yaml::from_str(&std::fs::read_to_string(chart().join("files/alerts.yaml")).unwrap())
-            .unwrap();
+    let file: Value = crd_broker::yaml::from_str(
+        &std::fs::read_to_string(chart().join("files/alerts.yaml")).unwrap(),
+    )
+    .unwrap();
     assert_eq!(rule["spec"]["groups"], file["groups"]);
     let dashboard = kind(&docs, "ConfigMap")
         .into_iter()

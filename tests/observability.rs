@@ -85,7 +85,7 @@ fn dashboard_queries(dashboard: &Value) -> Vec<String> {
 /// holds only while it fires), and the whole expression.
 fn alert_queries() -> Vec<(String, String)> {
     let text = std::fs::read_to_string(alerts()).unwrap();
-    let rules: Value = serde_yaml::from_str(&text).unwrap();
+    let rules: Value = crd_broker::yaml::from_str(&text).unwrap();
     rules["groups"]
         .as_array()
         .unwrap()

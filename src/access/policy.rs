@@ -199,7 +199,7 @@ impl Policy {
         if text.trim().is_empty() {
             return Ok(Policy::default());
         }
-        let file: File = serde_yaml::from_str(text).map_err(|e| with_line(text, &e))?;
+        let file: File = crate::yaml::from_str(text).map_err(|e| with_line(text, &e))?;
         Ok(Policy {
             own_namespace: file.own_namespace,
             grants: file.grants,
@@ -262,12 +262,24 @@ impl Policy {
     }
 }
 
-/// The parser's error, with the line it is about: serde_yaml gives none for an unknown field of
-/// the top-level mapping, so that one is found by its key.
-fn with_line(text: &str, error: &serde_yaml::Error) -> String {
-    let message = error.to_string();
-    if message.contains(" at line ") {
-        return message;
+/// The parser's error, with the line it is about: when the parser gives none (an unknown field
+/// of the top-level mapping), it is found by its key.
+fn with_line(text: &str, message: &str) -> String {
+    let message = message.to_string();
+    if let Some(at) = message.split(" at line ").nth(1) {
+        // Named by the key on that line, when the parser's reason does not name it.
+        let key = at
+            .split(|c: char| !c.is_ascii_digit())
+            .next()
+            .and_then(|n| n.parse::<usize>().ok())
+            .and_then(|n| text.lines().nth(n.checked_sub(1)?))
+            .and_then(|l| l.trim_start().trim_start_matches("- ").split_once(':'))
+            .map(|(key, _)| key.trim())
+            .filter(|key| !key.is_empty() && !message.contains(key));
+        return match key {
+            Some(key) => format!("{key}: {message}"),
+            None => message,
+        };
     }
     let key = message
         .strip_prefix("unknown field `")

@@ -745,22 +745,11 @@ fn read_docs(path: &Path, len: u64) -> Result<Vec<Arc<Doc>>, String> {
     }
     if json {
         let mut parser = serde_json::Deserializer::from_str(&text);
-        let doc = compact(&mut parser)?;
+        let doc = crate::yaml::compact(&mut parser).map_err(|e| e.to_string())?;
         parser.end().map_err(|e| e.to_string())?;
         return documents([doc]);
     }
-    let docs: Result<Vec<_>, _> = serde_yaml::Deserializer::from_str(&text)
-        .map(compact)
-        .collect();
-    documents(docs?)
-}
-
-/// A document as compact JSON.
-fn compact<'de>(document: impl serde::Deserializer<'de>) -> Result<Vec<u8>, String> {
-    let mut json = Vec::new();
-    serde_transcode::transcode(document, &mut serde_json::Serializer::new(&mut json))
-        .map_err(|e| e.to_string())?;
-    Ok(json)
+    documents(crate::yaml::documents_as_json(&text)?)
 }
 
 /// The objects of a file's documents: `List`s unpacked, empty documents skipped.

@@ -13,7 +13,7 @@ pub fn chart() -> PathBuf {
 }
 
 pub fn yaml_file(path: &Path) -> Value {
-    serde_yaml::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+    crd_broker::yaml::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
 }
 
 pub fn merge(base: &mut Value, over: &Value) {
@@ -66,8 +66,10 @@ pub fn render(overrides: Value) -> Result<Vec<Value>, String> {
     let text = String::from_utf8(out.stdout).unwrap();
     std::fs::write(dir.path().join("rendered.yaml"), &text).unwrap();
     lint(&[&dir.path().join("rendered.yaml")]);
-    let docs = serde_yaml::Deserializer::from_str(&text)
-        .map(|d| <Value as serde::Deserialize>::deserialize(d).expect("rendered YAML parses"))
+    let docs = crd_broker::yaml::documents_as_json(&text)
+        .expect("rendered YAML parses")
+        .iter()
+        .map(|d| serde_json::from_slice::<Value>(d).unwrap())
         .filter(|d| !d.is_null())
         .collect();
     Ok(docs)

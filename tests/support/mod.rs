@@ -640,7 +640,7 @@ pub fn demo_manifest() -> Value {
         "/examples/manifests/demo.yaml"
     ))
     .unwrap();
-    serde_yaml::from_str(&text).unwrap()
+    crd_broker::yaml::from_str(&text).unwrap()
 }
 
 /// Polls `done` every 50 ms until it holds, failing with `what` after `within`: how long it took.

@@ -667,7 +667,8 @@ async fn read_bytes(body: Body) -> Result<bytes::Bytes> {
 
 fn decode(content_type: &str, bytes: &[u8]) -> Result<Value> {
     let parsed = if content_type.contains("yaml") {
-        serde_yaml::from_slice::<Value>(bytes).map_err(|e| e.to_string())
+        serde_saphyr::from_slice_with_options::<Value>(bytes, crate::yaml_options())
+            .map_err(|e| e.to_string())
     } else {
         serde_json::from_slice::<Value>(bytes).map_err(|e| e.to_string())
     };

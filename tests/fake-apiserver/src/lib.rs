@@ -86,10 +86,23 @@ impl Default for Options {
     }
 }
 
+/// The YAML parser settings: YAML 1.2 scalars (only `true` and `false` are booleans).
+pub fn yaml_options() -> serde_saphyr::Options {
+    let mut options = serde_saphyr::Options::default();
+    options.strict_booleans = true;
+    options.with_snippet = false;
+    options
+}
+
+/// One YAML document.
+fn parse_yaml(text: &str) -> anyhow::Result<Value> {
+    Ok(serde_saphyr::from_str_with_options(text, yaml_options())?)
+}
+
 impl Options {
     /// Adds a CRD given as YAML (one document).
     pub fn crd_yaml(mut self, yaml: &str) -> anyhow::Result<Self> {
-        self.crds.push(serde_yaml::from_str(yaml)?);
+        self.crds.push(parse_yaml(yaml)?);
         Ok(self)
     }
 
@@ -339,7 +352,7 @@ impl FakeApiServer {
 
     /// Installs a CRD given as YAML.
     pub fn install_crd_yaml(&self, yaml: &str) -> anyhow::Result<Value> {
-        let crd: Value = serde_yaml::from_str(yaml)?;
+        let crd: Value = parse_yaml(yaml)?;
         Ok(self.install_crd(crd)?)
     }
 

@@ -60,9 +60,10 @@ async fn main() -> anyhow::Result<()> {
     for path in &args.crds {
         let text = std::fs::read_to_string(path)
             .with_context(|| format!("reading CRD file {}", path.display()))?;
-        for doc in serde_yaml::Deserializer::from_str(&text) {
-            let value: serde_json::Value = serde::Deserialize::deserialize(doc)
+        let docs: Vec<serde_json::Value> =
+            serde_saphyr::from_multiple_with_options(&text, fake_apiserver::yaml_options())
                 .with_context(|| format!("parsing YAML in {}", path.display()))?;
+        for value in docs {
             if !value.is_null() {
                 options.crds.push(value);
             }
