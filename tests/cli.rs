@@ -306,3 +306,236 @@ async fn access_settings_that_cannot_work_are_refused_at_start_with_the_reason()
         assert!(err.contains(want), "{args:?} {env:?}: {err}");
     }
 }
+
+/// `subscribe ARGS SELECTOR` against `server`; its output once `done` holds of it (or it
+/// ended), and its stderr.
+async fn subscribe_output(
+    server: &str,
+    args: &[&str],
+    done: impl Fn(&[String]) -> bool,
+) -> (Vec<String>, String) {
+    let mut child = Command::new(BIN)
+        .args(["subscribe", "--server", server])
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("subscribe starts");
+    let mut out = BufReader::new(child.stdout.take().unwrap()).lines();
+    let mut got = Vec::new();
+    while !done(&got) {
+        match tokio::time::timeout(Duration::from_secs(10), out.next_line()).await {
+            Ok(Ok(Some(line))) => got.push(line),
+            _ => break,
+        }
+    }
+    child.kill().await.ok();
+    let mut err = String::new();
+    if let Some(mut stderr) = child.stderr.take() {
+        use tokio::io::AsyncReadExt;
+        stderr.read_to_string(&mut err).await.ok();
+    }
+    (got, err)
+}
+
+#[tokio::test]
+async fn subscribe_reaches_a_broker_over_tls_mtls_and_a_unix_socket_and_prints_yaml() {
+    let dir = tempfile::tempdir().unwrap();
+    copy_examples(dir.path());
+    let certs = tempfile::tempdir().unwrap();
+    let pki = support::pki("cli");
+    support::write_tls_files(certs.path(), &pki);
+    for (name, text) in [
+        ("client.crt", &pki.client_cert),
+        ("client.key", &pki.client_key),
+    ] {
+        std::fs::write(certs.path().join(name), text).unwrap();
+    }
+    let file = |name: &str| certs.path().join(name).display().to_string();
+    let socket = dir.path().join("broker.sock");
+    let port = free_port();
+    let _broker = Command::new(BIN)
+        .args(["serve", "--manifests"])
+        .arg(dir.path())
+        .args([
+            "--grpc-addr",
+            &format!("127.0.0.1:{port}"),
+            "--admin-addr",
+            "none",
+        ])
+        .args([
+            "--tls-cert",
+            &file("tls.crt"),
+            "--tls-key",
+            &file("tls.key"),
+        ])
+        .args(["--tls-client-ca", &file("ca.crt")])
+        .arg("--grpc-socket")
+        .arg(&socket)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    support::eventually("the broker listens", Duration::from_secs(20), async || {
+        socket.exists()
+            && tokio::net::TcpStream::connect(("127.0.0.1", port))
+                .await
+                .is_ok()
+    })
+    .await;
+    let demo = "featureflags.core.openfeature.dev/default/demo";
+    let https = format!("https://localhost:{port}");
+    let (ca, cert, key) = (file("ca.crt"), file("client.crt"), file("client.key"));
+
+    // mTLS, and YAML: one document per event.
+    let (lines, err) = subscribe_output(
+        &https,
+        &[
+            "--ca", &ca, "--cert", &cert, "--key", &key, "-o", "yaml", demo,
+        ],
+        // The record's last key.
+        |lines| lines.last().is_some_and(|l| l.starts_with("uid:")),
+    )
+    .await;
+    let text = lines.join("\n");
+    assert!(text.starts_with("---\n"), "{text}\n{err}");
+    let docs = crd_broker::yaml::documents_as_json(&text).unwrap();
+    let first: Value = serde_json::from_slice(&docs[0]).unwrap();
+    assert_eq!(first["event"], "SNAPSHOT", "{text}");
+    assert_eq!(first["object"]["metadata"]["name"], "demo", "{text}");
+
+    // Without a client certificate the broker refuses the handshake; without --ca the broker's
+    // certificate is not trusted. Both are reported, not hidden.
+    let (lines, err) = subscribe_output(&https, &["--ca", &ca, demo], |l| l.len() >= 2).await;
+    assert!(lines.len() <= 1 && !err.is_empty(), "{lines:?}");
+    let (lines, err) = subscribe_output(&https, &[demo], |l| l.len() >= 2).await;
+    assert!(lines.len() <= 1 && !err.is_empty(), "{lines:?}");
+
+    // The unix socket, plain.
+    let unix = format!("unix://{}", socket.display());
+    let (lines, err) = subscribe_output(&unix, &["-o", "json", demo], |l| !l.is_empty()).await;
+    let first: Value =
+        serde_json::from_str(lines.first().unwrap_or_else(|| panic!("{err}"))).unwrap();
+    assert_eq!(first["event"], "SNAPSHOT");
+
+    // Mistakes are named.
+    for (server, args, want) in [
+        (
+            unix.as_str(),
+            vec!["--ca", ca.as_str(), demo],
+            "a unix socket",
+        ),
+        (
+            "http://127.0.0.1:1",
+            vec!["--ca", ca.as_str(), demo],
+            "need an https://",
+        ),
+        (https.as_str(), vec!["--cert", cert.as_str(), demo], "--key"),
+    ] {
+        let (_, err) = subscribe_output(server, &args, |l| !l.is_empty()).await;
+        assert!(err.contains(want), "{server} {args:?}: {err}");
+    }
+}
+
+#[tokio::test]
+async fn subscribe_sends_the_token_of_token_file_as_a_bearer_token() {
+    let fake = support::fake().await;
+    fake.apply(support::flag("demo", "on")).unwrap();
+    fake.register_token(
+        fake_apiserver::TokenUser::service_account("s3cret", "default", "app")
+            .with_audiences(&["crd-broker"]),
+    );
+    let access = crd_broker::access::Settings {
+        identity: "token".parse().unwrap(),
+        ..Default::default()
+    };
+    let broker = support::broker_with_access(&fake, access).await;
+    let server = format!("http://{}", broker.addr);
+    let demo = "featureflags.core.openfeature.dev/default/demo";
+    let dir = tempfile::tempdir().unwrap();
+    let token = dir.path().join("token");
+    std::fs::write(&token, "s3cret\n").unwrap();
+    let token = token.display().to_string();
+    let (lines, err) = subscribe_output(
+        &server,
+        &["--token-file", &token, "-o", "json", demo],
+        |l| !l.is_empty(),
+    )
+    .await;
+    let first: Value =
+        serde_json::from_str(lines.first().unwrap_or_else(|| panic!("{err}"))).unwrap();
+    assert_eq!(first["event"], "SNAPSHOT");
+    // Without it, the caller is not identified.
+    let (lines, err) = subscribe_output(&server, &[demo], |l| l.len() >= 2).await;
+    assert!(
+        lines.len() <= 1
+            && err.contains("Unauthenticated: ")
+            && err.contains("no authorization header"),
+        "{lines:?} {err}"
+    );
+    std::fs::write(dir.path().join("empty"), "").unwrap();
+    let empty = dir.path().join("empty").display().to_string();
+    let (_, err) =
+        subscribe_output(&server, &["--token-file", &empty, demo], |l| !l.is_empty()).await;
+    assert!(err.contains("is empty"), "{err}");
+}
+
+#[test]
+fn completions_are_scripts_each_shell_accepts() {
+    for (shell, check) in [("bash", "bash"), ("zsh", "zsh"), ("fish", "fish")] {
+        let out = std::process::Command::new(BIN)
+            .args(["completions", shell])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{shell}");
+        let script = String::from_utf8(out.stdout).unwrap();
+        for word in ["serve", "subscribe", "start", "manifests", "token-file"] {
+            assert!(script.contains(word), "{shell}: {word}");
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("completion");
+        std::fs::write(&path, &script).unwrap();
+        let available = std::process::Command::new(check)
+            .args(["-c", "true"])
+            .output()
+            .is_ok_and(|o| o.status.success());
+        assert!(
+            available,
+            "{check} is needed to check its completions: run the README's test command (scripts/test), which installs it"
+        );
+        let parsed = std::process::Command::new(check)
+            .arg("-n")
+            .arg(&path)
+            .output()
+            .unwrap();
+        assert!(
+            parsed.status.success(),
+            "{shell} refuses the script: {}",
+            String::from_utf8_lossy(&parsed.stderr)
+        );
+    }
+    // bash, for real: sourcing it registers the completion, which completes subcommands.
+    let script = String::from_utf8(
+        std::process::Command::new(BIN)
+            .args(["completions", "bash"])
+            .output()
+            .unwrap()
+            .stdout,
+    )
+    .unwrap();
+    let probe = format!(
+        "{script}\nf=$(complete -p crd-broker | sed -E 's/.*-F ([^ ]+).*/\\1/')\nCOMP_WORDS=(crd-broker sub); COMP_CWORD=1; COMP_LINE='crd-broker sub'; COMP_POINT=14\n\"$f\" crd-broker sub crd-broker\necho \"${{COMPREPLY[@]}}\"\n"
+    );
+    let out = std::process::Command::new("bash")
+        .args(["-c", &probe])
+        .output()
+        .unwrap();
+    let reply = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        reply.contains("subscribe"),
+        "{reply} {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

@@ -360,7 +360,7 @@ fn every_referenced_value_exists_and_every_value_is_documented() {
 }
 
 #[test]
-fn the_dockerfile_is_multi_stage_non_root_and_copies_what_exists() {
+fn the_dockerfile_is_multi_stage_multi_arch_non_root_labelled_and_copies_what_exists() {
     let text = std::fs::read_to_string(Path::new(ROOT).join("Dockerfile")).unwrap();
     let froms: Vec<&str> = text.lines().filter(|l| l.starts_with("FROM ")).collect();
     assert!(froms.len() >= 2, "multi-stage: {froms:?}");
@@ -405,6 +405,41 @@ fn the_dockerfile_is_multi_stage_non_root_and_copies_what_exists() {
         );
     }
     assert!(text.contains("ENTRYPOINT [\"/usr/local/bin/crd-broker\"]"));
+    // Built for --platform linux/amd64 and linux/arm64 by cross-compiling on the builder's own
+    // platform, each architecture to its triple.
+    assert!(
+        text.starts_with("# syntax=docker/dockerfile:1"),
+        "BuildKit syntax"
+    );
+    assert!(froms[0].contains("--platform=$BUILDPLATFORM"), "{froms:?}");
+    for arch in [
+        "amd64) triple=x86_64-unknown-linux-gnu",
+        "arm64) triple=aarch64-unknown-linux-gnu",
+    ] {
+        assert!(text.contains(arch), "no {arch}");
+    }
+    // Dependencies stay compiled between builds: the target directory is a cache mount of the
+    // step that builds (per architecture).
+    let build = text
+        .split("RUN ")
+        .find(|step| step.contains("cargo build"))
+        .expect("a cargo build step");
+    assert!(
+        build.contains("--mount=type=cache,target=/src/target")
+            && build.contains("--mount=type=cache,target=/usr/local/cargo/registry")
+            && build.contains("$TARGETARCH"),
+        "{build}"
+    );
+    for label in [
+        "org.opencontainers.image.title",
+        "org.opencontainers.image.version",
+        "org.opencontainers.image.revision",
+        "org.opencontainers.image.licenses=\"Apache-2.0\"",
+    ] {
+        assert!(text.contains(label), "OCI label {label}");
+    }
+    let license = std::fs::read_to_string(Path::new(ROOT).join("LICENSE")).unwrap();
+    assert!(license.contains("Apache License") && license.contains("Version 2.0"));
 }
 
 /// Just enough TOML reading for the workspace's member list and the declared benchmarks.

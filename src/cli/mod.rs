@@ -45,11 +45,44 @@ pub enum Command {
     Serve(Box<Serve>),
     /// Subscribe to resources on a running broker and print every event.
     Subscribe(SubscribeArgs),
+    /// Print a shell completion script: `source <(crd-broker completions bash)`, or write it
+    /// where your shell loads completions from.
+    Completions {
+        /// The shell.
+        #[arg(value_enum)]
+        shell: CompletionShell,
+    },
     /// Run as a drop-in for flagd-proxy, as the OpenFeature Operator starts it: the broker on
     /// the Kubernetes source serving FeatureFlags, gRPC on --port, admin endpoints on
     /// --management-port (every `serve` setting can still be given through its CRD_BROKER_*
     /// variable; CRD_BROKER_RESOURCE replaces the kinds served).
     Start(Start),
+}
+
+/// The shells `completions` writes for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum CompletionShell {
+    /// bash (with bash-completion).
+    Bash,
+    /// zsh.
+    Zsh,
+    /// fish.
+    Fish,
+}
+
+impl CompletionShell {
+    /// The completion script for the whole command line.
+    pub fn script(self) -> String {
+        use clap::CommandFactory;
+        let shell = match self {
+            CompletionShell::Bash => clap_complete::Shell::Bash,
+            CompletionShell::Zsh => clap_complete::Shell::Zsh,
+            CompletionShell::Fish => clap_complete::Shell::Fish,
+        };
+        let mut out = Vec::new();
+        clap_complete::generate(shell, &mut Cli::command(), "crd-broker", &mut out);
+        String::from_utf8_lossy(&out).into_owned()
+    }
 }
 
 /// `crd-broker start`: flagd-proxy's command line.
@@ -285,13 +318,28 @@ pub struct Serve {
 /// `crd-broker subscribe`.
 #[derive(Debug, Args)]
 pub struct SubscribeArgs {
-    /// The broker's gRPC address (`unix:///path` for a unix socket).
+    /// The broker's gRPC address: `http://host:port`, `https://host:port` (TLS), or
+    /// `unix:///path` for a unix socket.
     #[arg(
         long,
         env = "CRD_BROKER_SERVER",
         default_value = "http://127.0.0.1:8015"
     )]
     pub server: String,
+    /// The CA certificate (PEM) that signed the broker's; without it an `https://` broker is
+    /// verified against the system's roots.
+    #[arg(long, env = "CRD_BROKER_CA", value_name = "FILE")]
+    pub ca: Option<PathBuf>,
+    /// A client certificate (PEM) for mTLS, with --key.
+    #[arg(long, env = "CRD_BROKER_CERT", value_name = "FILE", requires = "key")]
+    pub cert: Option<PathBuf>,
+    /// The client certificate's private key (PEM), with --cert.
+    #[arg(long, env = "CRD_BROKER_KEY", value_name = "FILE", requires = "cert")]
+    pub key: Option<PathBuf>,
+    /// A file whose contents are sent as `authorization: Bearer <token>` (e.g. a projected
+    /// service account token, for `--identity token`).
+    #[arg(long, env = "CRD_BROKER_TOKEN_FILE", value_name = "FILE")]
+    pub token_file: Option<PathBuf>,
     /// How to print events.
     #[arg(long, short = 'o', env = "CRD_BROKER_OUTPUT", value_enum, default_value_t = Output::Text)]
     pub output: Output,
@@ -311,7 +359,11 @@ impl Cli {
         let telemetry = telemetry::init(self.log_format, if debug { "debug" } else { "info" });
         let result = match self.command {
             Command::Serve(serve) => serve.run().await,
-            Command::Subscribe(s) => subscribe::run(s.server, s.output, s.selectors).await,
+            Command::Subscribe(s) => subscribe::run(s).await,
+            Command::Completions { shell } => {
+                print!("{}", shell.script());
+                Ok(())
+            }
             Command::Start(start) => start.serve()?.run().await,
         };
         telemetry.shutdown().await;

@@ -1,10 +1,14 @@
 //! `crd-broker subscribe`: a client for people and scripts that prints one line per event.
 
 use std::io::Write;
+use std::path::PathBuf;
 
 use anyhow::Context;
 use serde_json::{Value, json};
+use tonic::metadata::MetadataValue;
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
 
+use super::SubscribeArgs;
 use crate::pb;
 use crate::pb::subscribe_response::Event;
 use crate::selector::{KindRef, Selector};
@@ -17,6 +21,8 @@ pub enum Output {
     /// One JSON object per line: `event`, `selector`, `resourceVersion`, `uid`, `object` (for
     /// FAILED: `event`, `selector`, `code`, `message`).
     Json,
+    /// The same records as YAML documents, each after a `---` line.
+    Yaml,
 }
 
 /// What `subscribe` is asked to follow: one resource, or a set
@@ -146,7 +152,29 @@ fn event_name(e: Event) -> &'static str {
     }
 }
 
-/// One response as a line of output.
+/// One response as a record: `event`, `selector`, `resourceVersion`, `uid`, `object` (for
+/// FAILED: `event`, `selector`, `code`, `message`).
+fn record(response: &pb::SubscribeResponse) -> Value {
+    let event = event_name(response.event());
+    if response.event() == Event::Failed {
+        return json!({
+            "event": event,
+            "selector": response.selector,
+            "code": format!("{:?}", tonic::Code::from_i32(response.error_code)),
+            "message": response.error_message,
+        });
+    }
+    let object: Value = serde_json::from_slice(&response.object).unwrap_or(Value::Null);
+    json!({
+        "event": event,
+        "selector": response.selector,
+        "resourceVersion": response.resource_version,
+        "uid": response.uid,
+        "object": object,
+    })
+}
+
+/// One response as output: a line of text or JSON, or a YAML document.
 pub fn format(response: &pb::SubscribeResponse, output: Output) -> String {
     let event = event_name(response.event());
     match output {
@@ -165,49 +193,117 @@ pub fn format(response: &pb::SubscribeResponse, output: Output) -> String {
                 &response.resource_version
             }
         ),
-        Output::Json if response.event() == Event::Failed => json!({
-            "event": event,
-            "selector": response.selector,
-            "code": format!("{:?}", tonic::Code::from_i32(response.error_code)),
-            "message": response.error_message,
-        })
-        .to_string(),
-        Output::Json => {
-            let object: Value = serde_json::from_slice(&response.object).unwrap_or(Value::Null);
-            json!({
-                "event": event,
-                "selector": response.selector,
-                "resourceVersion": response.resource_version,
-                "uid": response.uid,
-                "object": object,
-            })
-            .to_string()
+        Output::Json => record(response).to_string(),
+        Output::Yaml => {
+            let yaml = serde_saphyr::to_string(&record(response)).unwrap_or_default();
+            format!("---\n{}", yaml.trim_end())
         }
     }
 }
 
-/// Subscribes to `targets` on `server` and prints every event until the stream ends.
-pub async fn run(server: String, output: Output, targets: Vec<Target>) -> anyhow::Result<()> {
-    let mut client = pb::broker_client::BrokerClient::connect(server.clone())
+/// A channel to the broker that `args.server` names: plain or TLS over TCP (with the
+/// client certificate of `--cert`/`--key` for mTLS), or a unix socket.
+pub async fn channel(args: &SubscribeArgs) -> anyhow::Result<Channel> {
+    let server = &args.server;
+    let tls_flags = args.ca.is_some() || args.cert.is_some();
+    if let Some(path) = server
+        .strip_prefix("unix://")
+        .or_else(|| server.strip_prefix("unix:"))
+    {
+        anyhow::ensure!(
+            !tls_flags,
+            "--ca, --cert and --key are for TLS over TCP; a unix socket ({server}) is plain"
+        );
+        let path = PathBuf::from(path);
+        let connector = tower::service_fn(move |_: http::Uri| {
+            let path = path.clone();
+            async move {
+                let stream = tokio::net::UnixStream::connect(path).await?;
+                Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(stream))
+            }
+        });
+        return Endpoint::from_static("http://localhost")
+            .connect_with_connector(connector)
+            .await
+            .with_context(|| format!("connecting to {server}"));
+    }
+    let mut endpoint = Endpoint::from_shared(server.clone())
+        .with_context(|| format!("--server {server} is not a URL"))?;
+    if server.starts_with("https://") {
+        let read = |path: &PathBuf| {
+            std::fs::read(path).with_context(|| format!("reading {}", path.display()))
+        };
+        let mut tls = ClientTlsConfig::new();
+        tls = match &args.ca {
+            Some(ca) => tls.ca_certificate(Certificate::from_pem(read(ca)?)),
+            None => tls.with_native_roots(),
+        };
+        if let (Some(cert), Some(key)) = (&args.cert, &args.key) {
+            tls = tls.identity(Identity::from_pem(read(cert)?, read(key)?));
+        }
+        endpoint = endpoint.tls_config(tls).context("configuring TLS")?;
+    } else {
+        anyhow::ensure!(
+            !tls_flags,
+            "--ca, --cert and --key need an https:// --server (not {server})"
+        );
+    }
+    endpoint
+        .connect()
         .await
-        .with_context(|| format!("connecting to {server}"))?;
+        .with_context(|| format!("connecting to {server}"))
+}
+
+/// The `authorization` header `--token-file` gives, read once.
+fn bearer(path: &std::path::Path) -> anyhow::Result<MetadataValue<tonic::metadata::Ascii>> {
+    let token = std::fs::read_to_string(path)
+        .with_context(|| format!("reading the token file {}", path.display()))?;
+    let token = token.trim();
+    anyhow::ensure!(
+        !token.is_empty(),
+        "the token file {} is empty",
+        path.display()
+    );
+    format!("Bearer {token}").parse().map_err(|_| {
+        anyhow::anyhow!(
+            "the token file {} holds characters a header cannot carry",
+            path.display()
+        )
+    })
+}
+
+/// Subscribes as `args` say and prints every event until the stream ends.
+pub async fn run(args: SubscribeArgs) -> anyhow::Result<()> {
+    let channel = channel(&args).await?;
+    let token = args.token_file.as_deref().map(bearer).transpose()?;
+    let mut client = pb::broker_client::BrokerClient::with_interceptor(
+        channel,
+        move |mut request: tonic::Request<()>| {
+            if let Some(token) = &token {
+                request
+                    .metadata_mut()
+                    .insert("authorization", token.clone());
+            }
+            Ok(request)
+        },
+    );
     let mut stream = client
-        .subscribe(request_for(&targets))
+        .subscribe(request_for(&args.selectors))
         .await
-        .map_err(|s| anyhow::anyhow!("{}: {}", s.code(), s.message()))?
+        .map_err(|s| anyhow::anyhow!("{:?}: {}", s.code(), s.message()))?
         .into_inner();
     let mut stdout = std::io::stdout().lock();
-    if output == Output::Text {
+    if args.output == Output::Text {
         writeln!(stdout, "{:<9} {:<60} RESOURCE-VERSION", "EVENT", "SELECTOR")?;
     }
     loop {
         match stream.message().await {
             Ok(Some(response)) => {
-                writeln!(stdout, "{}", format(&response, output))?;
+                writeln!(stdout, "{}", format(&response, args.output))?;
                 stdout.flush()?;
             }
             Ok(None) => return Ok(()),
-            Err(s) => anyhow::bail!("{}: {}", s.code(), s.message()),
+            Err(s) => anyhow::bail!("{:?}: {}", s.code(), s.message()),
         }
     }
 }
