@@ -36,6 +36,7 @@ pub mod cli;
 pub mod conn;
 pub mod grpc;
 pub mod labels;
+pub mod logs;
 pub mod ops;
 pub mod registry;
 pub mod selector;

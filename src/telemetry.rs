@@ -797,11 +797,12 @@ pub fn init(format: LogFormat, default_level: &str) -> TelemetryGuard {
             .with_writer(std::io::stderr)
             .boxed(),
         LogFormat::Json => tracing_subscriber::fmt::layer()
-            .json()
+            .fmt_fields(tracing_subscriber::fmt::format::JsonFields::new())
+            .event_format(crate::logs::FlatJson)
             .with_writer(std::io::stderr)
             .boxed(),
     };
-    let provider = if otel_enabled(|k| std::env::var(k).ok()) {
+    let exporting = if otel_enabled(|k| std::env::var(k).ok()) {
         match tracer_provider() {
             Ok(p) => Some(p),
             Err(e) => {
@@ -812,10 +813,16 @@ pub fn init(format: LogFormat, default_level: &str) -> TelemetryGuard {
     } else {
         None
     };
-    let otel = provider.as_ref().map(|p| {
+    // Spans get trace ids (for the logs, and to continue a caller's `traceparent`) even when
+    // nothing is exported: a provider with no exporter then drops them as they end.
+    let tracing_provider = exporting
+        .clone()
+        .unwrap_or_else(|| opentelemetry_sdk::trace::SdkTracerProvider::builder().build());
+    let otel = {
         use opentelemetry::trace::TracerProvider;
-        tracing_opentelemetry::layer().with_tracer(p.tracer("crd-broker"))
-    });
+        tracing_opentelemetry::layer().with_tracer(tracing_provider.tracer("crd-broker"))
+    };
+    let provider = exporting;
     let _ = tracing_subscriber::registry()
         .with(filter)
         .with(fmt)
@@ -824,19 +831,123 @@ pub fn init(format: LogFormat, default_level: &str) -> TelemetryGuard {
     TelemetryGuard { provider }
 }
 
+/// The OTLP protocol the standard variables ask for: `OTEL_EXPORTER_OTLP_TRACES_PROTOCOL`,
+/// else `OTEL_EXPORTER_OTLP_PROTOCOL`, else `grpc`.
+fn otlp_protocol(var: impl Fn(&str) -> Option<String>) -> anyhow::Result<Otlp> {
+    let protocol = var("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+        .or_else(|| var("OTEL_EXPORTER_OTLP_PROTOCOL"))
+        .unwrap_or_else(|| "grpc".into());
+    match protocol.trim() {
+        "grpc" => Ok(Otlp::Grpc),
+        "http/protobuf" => Ok(Otlp::HttpProtobuf),
+        other => anyhow::bail!(
+            "OTEL_EXPORTER_OTLP_PROTOCOL {other:?} is not supported: use grpc or http/protobuf"
+        ),
+    }
+}
+
+/// The OTLP transports the broker exports over.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Otlp {
+    Grpc,
+    HttpProtobuf,
+}
+
 fn tracer_provider() -> anyhow::Result<opentelemetry_sdk::trace::SdkTracerProvider> {
-    let exporter = opentelemetry_otlp::SpanExporter::builder()
-        .with_tonic()
-        .build()?;
+    use opentelemetry_otlp::WithExportConfig;
+    let builder = opentelemetry_otlp::SpanExporter::builder();
+    let exporter = match otlp_protocol(|k| std::env::var(k).ok())? {
+        Otlp::Grpc => builder.with_tonic().build()?,
+        Otlp::HttpProtobuf => {
+            let exporter = builder
+                .with_http()
+                .with_protocol(opentelemetry_otlp::Protocol::HttpBinary)
+                .build()?;
+            return Ok(provider(OnRuntime {
+                inner: Arc::new(exporter),
+                runtime: tokio::runtime::Handle::try_current()
+                    .map_err(|_| anyhow::anyhow!("OTLP over HTTP needs the async runtime"))?,
+            }));
+        }
+    };
+    Ok(provider(exporter))
+}
+
+/// An exporter whose requests run on the broker's runtime: the HTTP client needs its reactor,
+/// and the batch processor calls exporters from a thread of its own.
+#[derive(Debug)]
+struct OnRuntime<E> {
+    inner: Arc<E>,
+    runtime: tokio::runtime::Handle,
+}
+
+impl<E: opentelemetry_sdk::trace::SpanExporter + 'static> opentelemetry_sdk::trace::SpanExporter
+    for OnRuntime<E>
+{
+    async fn export(
+        &self,
+        batch: Vec<opentelemetry_sdk::trace::SpanData>,
+    ) -> opentelemetry_sdk::error::OTelSdkResult {
+        let inner = self.inner.clone();
+        self.runtime
+            .spawn(async move { inner.export(batch).await })
+            .await
+            .unwrap_or_else(|e| {
+                Err(opentelemetry_sdk::error::OTelSdkError::InternalFailure(
+                    e.to_string(),
+                ))
+            })
+    }
+
+    fn shutdown_with_timeout(&self, timeout: Duration) -> opentelemetry_sdk::error::OTelSdkResult {
+        self.inner.shutdown_with_timeout(timeout)
+    }
+
+    fn force_flush(&self) -> opentelemetry_sdk::error::OTelSdkResult {
+        self.inner.force_flush()
+    }
+}
+
+/// The tracer provider over `exporter`, batching, with the service name of
+/// `OTEL_SERVICE_NAME` (default `crd-broker`).
+fn provider(
+    exporter: impl opentelemetry_sdk::trace::SpanExporter + 'static,
+) -> opentelemetry_sdk::trace::SdkTracerProvider {
     let resource = opentelemetry_sdk::Resource::builder()
         .with_service_name(
             std::env::var("OTEL_SERVICE_NAME").unwrap_or_else(|_| "crd-broker".to_string()),
         )
         .build();
-    Ok(opentelemetry_sdk::trace::SdkTracerProvider::builder()
+    opentelemetry_sdk::trace::SdkTracerProvider::builder()
         .with_batch_exporter(exporter)
         .with_resource(resource)
-        .build())
+        .build()
+}
+
+/// Makes `span` continue the trace a caller sent as W3C Trace Context (`traceparent`, and
+/// `tracestate`), so that a subscription is a child of the caller's span.
+pub fn continue_trace(span: &tracing::Span, metadata: &tonic::metadata::MetadataMap) {
+    use opentelemetry::propagation::{Extractor, TextMapPropagator};
+    use tracing_opentelemetry::OpenTelemetrySpanExt;
+    struct Headers<'a>(&'a tonic::metadata::MetadataMap);
+    impl Extractor for Headers<'_> {
+        fn get(&self, key: &str) -> Option<&str> {
+            self.0.get(key).and_then(|v| v.to_str().ok())
+        }
+        fn keys(&self) -> Vec<&str> {
+            ["traceparent", "tracestate"]
+                .into_iter()
+                .filter(|k| self.0.contains_key(*k))
+                .collect()
+        }
+    }
+    if !metadata.contains_key("traceparent") {
+        return;
+    }
+    let context =
+        opentelemetry_sdk::propagation::TraceContextPropagator::new().extract(&Headers(metadata));
+    // A malformed traceparent gives an empty context: the span starts its own trace.
+    let _ = span.set_parent(context);
 }
 
 /// How often the liveness heartbeat ticks.
@@ -846,16 +957,33 @@ pub const HEARTBEAT: Duration = Duration::from_secs(1);
 mod tests {
     use super::*;
 
+    /// An environment holding `pairs`.
+    fn env(pairs: &'static [(&'static str, &'static str)]) -> impl Fn(&str) -> Option<String> {
+        move |k: &str| {
+            pairs
+                .iter()
+                .find(|(n, _)| *n == k)
+                .map(|(_, v)| v.to_string())
+        }
+    }
+
+    #[test]
+    fn the_otlp_protocol_comes_from_the_standard_variables() {
+        assert_eq!(otlp_protocol(env(&[])).unwrap(), Otlp::Grpc);
+        let http = env(&[("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")]);
+        assert_eq!(otlp_protocol(http).unwrap(), Otlp::HttpProtobuf);
+        let traces_win = env(&[
+            ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf"),
+            ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "grpc"),
+        ]);
+        assert_eq!(otlp_protocol(traces_win).unwrap(), Otlp::Grpc);
+        let json = env(&[("OTEL_EXPORTER_OTLP_PROTOCOL", "http/json")]);
+        let error = otlp_protocol(json).unwrap_err().to_string();
+        assert!(error.contains("\"http/json\" is not supported"), "{error}");
+    }
+
     #[test]
     fn traces_are_on_only_when_the_environment_asks() {
-        let env = |pairs: &'static [(&'static str, &'static str)]| {
-            move |k: &str| {
-                pairs
-                    .iter()
-                    .find(|(n, _)| *n == k)
-                    .map(|(_, v)| v.to_string())
-            }
-        };
         assert!(!otel_enabled(env(&[])));
         assert!(otel_enabled(env(&[(
             "OTEL_EXPORTER_OTLP_ENDPOINT",

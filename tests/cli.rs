@@ -185,18 +185,25 @@ async fn serve_fails_clearly_on_a_missing_directory() {
 async fn json_logs_are_one_object_per_line() {
     let dir = tempfile::tempdir().unwrap();
     copy_examples(dir.path());
+    let port = free_port();
     let mut child = Command::new(BIN)
         .args(["--log-format", "json", "serve", "--manifests"])
         .arg(dir.path())
-        .args(["--grpc-addr", "127.0.0.1:0", "--admin-addr", "none"])
+        .args([
+            "--grpc-addr",
+            &format!("127.0.0.1:{port}"),
+            "--admin-addr",
+            "none",
+        ])
+        .args(["--linger", "0s"])
+        .env("RUST_LOG", "info,crd_broker::registry=debug")
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .kill_on_drop(true)
         .spawn()
         .unwrap();
     let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
-    let mut seen = Vec::new();
-    while !seen.iter().any(|m| m == "crd-broker serving") && seen.len() < 5 {
+    let mut next_entry = async || -> Value {
         let line = tokio::time::timeout(Duration::from_secs(10), lines.next_line())
             .await
             .unwrap()
@@ -205,17 +212,52 @@ async fn json_logs_are_one_object_per_line() {
         let entry: Value =
             serde_json::from_str(&line).unwrap_or_else(|e| panic!("not JSON ({e}): {line}"));
         assert!(
-            entry["level"].is_string() && entry["timestamp"].is_string(),
+            entry["level"].is_string()
+                && entry["timestamp"].is_string()
+                && entry["target"].is_string(),
             "{entry}"
         );
-        seen.push(
-            entry["fields"]["message"]
-                .as_str()
-                .unwrap_or_default()
-                .to_string(),
-        );
+        entry
+    };
+    let mut seen = Vec::new();
+    while !seen.iter().any(|m| m == "crd-broker serving") && seen.len() < 5 {
+        let entry = next_entry().await;
+        // Fields are flat: the message and the event's fields at the top level.
+        if entry["message"] == "crd-broker serving" {
+            assert_eq!(entry["grpc"], format!("127.0.0.1:{port}"), "{entry}");
+        }
+        seen.push(entry["message"].as_str().unwrap_or_default().to_string());
     }
     assert!(seen.iter().any(|m| m == "crd-broker serving"), "{seen:?}");
+    // An event inside a span carries the span's fields and the trace it belongs to.
+    let (subscriber, mut out) =
+        subscribe(port, &["featureflags.core.openfeature.dev/default/demo"]);
+    line(&mut out).await;
+    line(&mut out).await;
+    drop((subscriber, out));
+    let stopped = loop {
+        let entry = next_entry().await;
+        if entry["message"] == "watch stopped" {
+            break entry;
+        }
+    };
+    assert_eq!(stopped["span"], "watch", "{stopped}");
+    assert_eq!(
+        stopped["selector"], "featureflags.v1beta1.core.openfeature.dev/default/demo",
+        "{stopped}"
+    );
+    let trace = stopped["trace_id"].as_str().unwrap_or_default();
+    assert!(
+        trace.len() == 32
+            && trace.bytes().all(|b| b.is_ascii_hexdigit())
+            && trace != "0".repeat(32),
+        "a trace id: {stopped}"
+    );
+    assert_eq!(
+        stopped["span_id"].as_str().map(str::len),
+        Some(16),
+        "{stopped}"
+    );
     child.kill().await.unwrap();
 }
 

@@ -263,8 +263,55 @@ mod collector {
     };
     use opentelemetry_proto::tonic::common::v1::any_value::Value;
 
-    /// Spans received: (name, attributes as key=value).
-    pub type Spans = Arc<Mutex<Vec<(String, Vec<(String, String)>)>>>;
+    /// A span received.
+    #[derive(Debug, Clone)]
+    pub struct Span {
+        pub name: String,
+        /// Attributes as key=value.
+        pub attributes: Vec<(String, String)>,
+        /// Hex, as in `traceparent`.
+        pub trace_id: String,
+        pub parent_span_id: String,
+    }
+
+    impl Span {
+        pub fn has(&self, key: &str, value: &str) -> bool {
+            self.attributes.iter().any(|(k, v)| k == key && v == value)
+        }
+    }
+
+    pub type Spans = Arc<Mutex<Vec<Span>>>;
+
+    fn hex(bytes: &[u8]) -> String {
+        bytes.iter().map(|b| format!("{b:02x}")).collect()
+    }
+
+    fn record(spans: &Spans, request: ExportTraceServiceRequest) {
+        let mut spans = spans.lock().unwrap();
+        for rs in request.resource_spans {
+            for ss in rs.scope_spans {
+                for span in ss.spans {
+                    let attributes = span
+                        .attributes
+                        .iter()
+                        .map(|kv| {
+                            let v = match kv.value.as_ref().and_then(|v| v.value.clone()) {
+                                Some(Value::StringValue(s)) => s,
+                                other => format!("{other:?}"),
+                            };
+                            (kv.key.clone(), v)
+                        })
+                        .collect();
+                    spans.push(Span {
+                        name: span.name,
+                        attributes,
+                        trace_id: hex(&span.trace_id),
+                        parent_span_id: hex(&span.parent_span_id),
+                    });
+                }
+            }
+        }
+    }
 
     #[derive(Clone, Default)]
     pub struct Collector(pub Spans);
@@ -275,32 +322,14 @@ mod collector {
             &self,
             request: tonic::Request<ExportTraceServiceRequest>,
         ) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
-            let mut spans = self.0.lock().unwrap();
-            for rs in request.into_inner().resource_spans {
-                for ss in rs.scope_spans {
-                    for span in ss.spans {
-                        let attributes = span
-                            .attributes
-                            .iter()
-                            .map(|kv| {
-                                let v = match kv.value.as_ref().and_then(|v| v.value.clone()) {
-                                    Some(Value::StringValue(s)) => s,
-                                    other => format!("{other:?}"),
-                                };
-                                (kv.key.clone(), v)
-                            })
-                            .collect();
-                        spans.push((span.name, attributes));
-                    }
-                }
-            }
+            record(&self.0, request.into_inner());
             Ok(tonic::Response::new(ExportTraceServiceResponse {
                 partial_success: None,
             }))
         }
     }
 
-    /// Serves a collector on 127.0.0.1:0; its address and what it received.
+    /// Serves an OTLP/gRPC collector on 127.0.0.1:0; its address and what it received.
     pub async fn start() -> (std::net::SocketAddr, Spans) {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
@@ -313,50 +342,114 @@ mod collector {
         );
         (addr, spans)
     }
+
+    /// Serves an OTLP/HTTP collector (`POST /v1/traces`, protobuf) on 127.0.0.1:0.
+    pub async fn start_http() -> (std::net::SocketAddr, Spans) {
+        use axum::body::Bytes;
+        use axum::http::{HeaderMap, StatusCode};
+        use prost::Message;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let spans = Spans::default();
+        let received = spans.clone();
+        let app = axum::Router::new().route(
+            "/v1/traces",
+            axum::routing::post(move |headers: HeaderMap, body: Bytes| {
+                let received = received.clone();
+                async move {
+                    let protobuf = headers
+                        .get("content-type")
+                        .is_some_and(|v| v == "application/x-protobuf");
+                    match ExportTraceServiceRequest::decode(body) {
+                        Ok(request) if protobuf => {
+                            record(&received, request);
+                            StatusCode::OK
+                        }
+                        _ => StatusCode::BAD_REQUEST,
+                    }
+                }
+            }),
+        );
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        (addr, spans)
+    }
 }
 
 #[tokio::test]
 async fn spans_for_subscriptions_and_watches_reach_an_otlp_collector_configured_by_otel_env() {
     let (fake, _dir, kubeconfig) = fake_with_kubeconfig().await;
     fake.apply(flag("demo", "on")).unwrap();
-    let (collector, spans) = collector::start().await;
-    let endpoint = format!("http://{collector}");
+    let selector = "featureflags.v1beta1.core.openfeature.dev/default/demo";
+    // The caller's trace, which the subscription continues.
+    let (trace, parent) = ("4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7");
+    for protocol in ["grpc", "http/protobuf"] {
+        let (collector, spans) = if protocol == "grpc" {
+            collector::start().await
+        } else {
+            collector::start_http().await
+        };
+        let endpoint = format!("http://{collector}");
+        let env = [
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint.as_str()),
+            ("OTEL_EXPORTER_OTLP_PROTOCOL", protocol),
+            ("OTEL_BSP_SCHEDULE_DELAY", "100"),
+            ("OTEL_SERVICE_NAME", "crd-broker-test"),
+        ];
+        let broker = spawn(&kubeconfig, &["--linger", "0s"], &env).await;
+        let mut client = connect(broker.grpc).await;
+        let mut traced = tonic::Request::new(request(&[&demo("demo")]));
+        traced.metadata_mut().insert(
+            "traceparent",
+            format!("00-{trace}-{parent}-01").parse().unwrap(),
+        );
+        let mut s = client.subscribe(traced).await.unwrap().into_inner();
+        next(&mut s).await;
+        drop(s);
+        assert!(fake.wait_for(WAIT, |f| f.open_watches() == 0).await);
+        broker.signal("TERM");
+        let mut child = broker.child;
+        child.wait().await.unwrap();
+        let spans = spans.lock().unwrap().clone();
+        let subscription = spans
+            .iter()
+            .find(|s| s.name == "subscription" && s.has("selector", selector))
+            .unwrap_or_else(|| {
+                panic!("{protocol}: a span per subscription, with the CR: {spans:?}")
+            });
+        assert!(
+            subscription.has("caller", "anonymous (127.0.0.1)"),
+            "the caller in the subscription's span: {subscription:?}"
+        );
+        assert_eq!(
+            (
+                subscription.trace_id.as_str(),
+                subscription.parent_span_id.as_str()
+            ),
+            (trace, parent),
+            "{protocol}: the subscription continues the caller's traceparent"
+        );
+        assert!(
+            spans
+                .iter()
+                .any(|s| s.name == "watch" && s.has("selector", selector)),
+            "{protocol}: a span per watch, with the CR: {spans:?}"
+        );
+    }
+
+    // An unsupported protocol is refused with the reason, and the broker runs on untraced.
+    let (refused_at, refused) = collector::start().await;
+    let endpoint = format!("http://{refused_at}");
     let env = [
         ("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint.as_str()),
-        ("OTEL_BSP_SCHEDULE_DELAY", "100"),
-        ("OTEL_SERVICE_NAME", "crd-broker-test"),
+        ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/json"),
     ];
     let broker = spawn(&kubeconfig, &["--linger", "0s"], &env).await;
     let mut client = connect(broker.grpc).await;
     let mut s = subscribe(&mut client, &[&demo("demo")]).await;
     next(&mut s).await;
-    drop(s);
-    assert!(fake.wait_for(WAIT, |f| f.open_watches() == 0).await);
     broker.signal("TERM");
-    let mut child = broker.child;
-    child.wait().await.unwrap();
-    let spans = spans.lock().unwrap().clone();
-    let selector = "featureflags.v1beta1.core.openfeature.dev/default/demo";
-    let with_selector = |name: &str| {
-        spans.iter().any(|(n, attrs)| {
-            n == name && attrs.iter().any(|(k, v)| k == "selector" && v == selector)
-        })
-    };
-    assert!(
-        with_selector("subscription"),
-        "a span per subscription, with the CR: {spans:?}"
-    );
-    assert!(
-        with_selector("watch"),
-        "a span per watch, with the CR: {spans:?}"
-    );
-    assert!(
-        spans.iter().any(|(n, attrs)| n == "subscription"
-            && attrs
-                .iter()
-                .any(|(k, v)| k == "caller" && v == "anonymous (127.0.0.1)")),
-        "the caller in the subscription's span: {spans:?}"
-    );
+    broker.child.wait_with_output().await.unwrap();
+    assert!(refused.lock().unwrap().is_empty());
 
     // Without the OTEL_* variables nothing is exported.
     let (quiet_collector, quiet) = collector::start().await;

@@ -432,6 +432,7 @@ impl<S: Source> FlagdCore<S> {
             selector = %canonical,
             caller = %caller
         );
+        crate::telemetry::continue_trace(&span, request.metadata());
         let delivery = Delivery::new(
             self.registry.metrics().clone(),
             &canonical,

@@ -256,7 +256,8 @@ impl<S: Source> Broker for BrokerService<S> {
         let started = Instant::now();
         let drain = drain_of(&request, &self.shutdown);
         let caller = Caller::of(request.extensions());
-        let resources = request.into_inner().resources;
+        let (metadata, _, message) = request.into_parts();
+        let resources = message.resources;
         if resources.len() > 1
             && let Some(i) = resources.iter().position(|r| r.name.is_empty())
         {
@@ -303,6 +304,7 @@ impl<S: Source> Broker for BrokerService<S> {
             selector = %names.join(" "),
             caller = %caller
         );
+        crate::telemetry::continue_trace(&span, &metadata);
         // Whether any part has sent: a part that fails after that sends FAILED and goes on.
         let served = Arc::new(AtomicBool::new(false));
         let mut streams: Vec<_> = canonical
