@@ -3,8 +3,12 @@
 //! chart uses and missing values as errors) under several value sets; every rendered object
 //! round-trips through the Kubernetes API types (so no field is unknown or misplaced); every flag
 //! the chart passes is one the binary accepts; every value the templates reference exists and
-//! every value is documented; the YAML lints clean (yamllint); and the deployment properties an
-//! SRE relies on hold. Also the Dockerfile: multi-stage, non-root, and everything it copies exists.
+//! every value is documented; the values meet values.schema.json (checked with `jsonschema`, as
+//! helm checks them); the default and the HA installs validate strictly against the Kubernetes
+//! 1.32 schemas (`kubernetes-validate`); the chart README's values table is the one values.yaml
+//! generates; the YAML lints clean (yamllint); and the deployment properties an SRE relies on
+//! hold. Also the Dockerfile: multi-stage, multi-arch, non-root, labelled, and everything it
+//! copies exists.
 
 mod support;
 
@@ -68,6 +72,10 @@ fn check_types(docs: &[Value]) {
                 assert_eq!(doc["apiVersion"], "monitoring.coreos.com/v1");
                 assert_eq!(doc["spec"]["endpoints"][0]["port"], "admin");
                 assert_eq!(doc["spec"]["endpoints"][0]["path"], "/metrics");
+            }
+            "PodMonitor" => {
+                assert_eq!(doc["apiVersion"], "monitoring.coreos.com/v1");
+                assert_eq!(doc["spec"]["podMetricsEndpoints"][0]["path"], "/metrics");
             }
             "PrometheusRule" => {
                 assert_eq!(doc["apiVersion"], "monitoring.coreos.com/v1");
@@ -286,7 +294,9 @@ fn every_option_renders_and_stands_in_for_flagd_proxy() {
 fn wrong_values_are_refused_with_a_reason() {
     let err = render(json!({ "terminationGracePeriodSeconds": 10 })).unwrap_err();
     assert!(
-        err.contains("terminationGracePeriodSeconds must be above shutdownGraceSeconds"),
+        err.contains(
+            "terminationGracePeriodSeconds must be above preStopSleepSeconds + shutdownGraceSeconds"
+        ),
         "{err}"
     );
     let err = render(json!({ "tls": { "enabled": true } })).unwrap_err();
@@ -551,4 +561,185 @@ fn the_alerts_and_the_dashboard_ship_in_the_chart_as_their_files_hold_them() {
     )
     .unwrap();
     assert_eq!(json, file);
+}
+
+#[test]
+fn a_pdb_only_with_more_than_one_replica_and_monitoring_without_the_headless_service() {
+    let one = render(json!({ "replicaCount": 1 })).expect("renders");
+    assert!(
+        kind(&one, "PodDisruptionBudget").is_empty(),
+        "one replica: a PDB would block every node drain"
+    );
+    let two = render(json!({})).expect("renders");
+    let pdb = kind(&two, "PodDisruptionBudget")[0];
+    assert_eq!(pdb["spec"]["maxUnavailable"], 1);
+    assert!(pdb["spec"].get("minAvailable").is_none());
+    let half =
+        render(json!({ "replicaCount": 4, "podDisruptionBudget": { "minAvailable": "50%" } }))
+            .expect("renders");
+    assert_eq!(
+        kind(&half, "PodDisruptionBudget")[0]["spec"]["minAvailable"],
+        "50%"
+    );
+
+    // A ServiceMonitor selects its own metrics Service, which exists without the headless one.
+    let docs = render(json!({
+        "headlessService": { "enabled": false },
+        "serviceMonitor": { "enabled": true },
+        "podMonitor": { "enabled": true },
+    }))
+    .expect("renders");
+    check_types(&docs);
+    let monitor = kind(&docs, "ServiceMonitor")[0];
+    let wanted = monitor["spec"]["selector"]["matchLabels"]
+        .as_object()
+        .unwrap();
+    let selected: Vec<&Value> = kind(&docs, "Service")
+        .into_iter()
+        .filter(|s| {
+            wanted
+                .iter()
+                .all(|(k, v)| &s["metadata"]["labels"][k.as_str()] == v)
+        })
+        .collect();
+    assert_eq!(
+        selected.len(),
+        1,
+        "exactly the metrics Service: {selected:?}"
+    );
+    let port = monitor["spec"]["endpoints"][0]["port"].as_str().unwrap();
+    assert!(
+        selected[0]["spec"]["ports"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|p| p["name"] == port),
+        "the metrics Service has the port scraped"
+    );
+    let pods = kind(&docs, "PodMonitor")[0];
+    assert_eq!(pods["spec"]["podMetricsEndpoints"][0]["port"], "admin");
+    assert_eq!(
+        pods["spec"]["selector"]["matchLabels"],
+        kind(&docs, "Deployment")[0]["spec"]["selector"]["matchLabels"]
+    );
+}
+
+#[test]
+fn probes_addresses_zone_spread_and_the_pre_stop_sleep_are_set_by_values() {
+    let docs = render(json!({
+        "listenAddress": "0.0.0.0",
+        "probes": { "readiness": { "periodSeconds": 3, "timeoutSeconds": 1, "failureThreshold": 4 } },
+        "preStopSleepSeconds": 8,
+        "terminationGracePeriodSeconds": 40,
+    }))
+    .expect("renders");
+    let serve = args_parse(&docs);
+    assert_eq!(serve.grpc_addr.0.unwrap().to_string(), "0.0.0.0:8015");
+    let c = container(&docs);
+    assert_eq!(c["readinessProbe"]["periodSeconds"], 3);
+    assert_eq!(c["readinessProbe"]["failureThreshold"], 4);
+    assert_eq!(
+        c["livenessProbe"]["periodSeconds"], 10,
+        "the others keep their defaults"
+    );
+    assert_eq!(c["lifecycle"]["preStop"]["sleep"]["seconds"], 8);
+    let defaults = render(json!({})).expect("renders");
+    assert_eq!(
+        args_parse(&defaults).grpc_addr.0.unwrap().to_string(),
+        "[::]:8015"
+    );
+    let spread =
+        &kind(&defaults, "Deployment")[0]["spec"]["template"]["spec"]["topologySpreadConstraints"];
+    let keys: Vec<&str> = spread
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["topologyKey"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        keys,
+        ["kubernetes.io/hostname", "topology.kubernetes.io/zone"]
+    );
+    let err = render(json!({ "preStopSleepSeconds": 15 })).unwrap_err();
+    assert!(
+        err.contains("preStopSleepSeconds + shutdownGraceSeconds"),
+        "{err}"
+    );
+}
+
+#[test]
+fn values_are_checked_against_values_schema_json() {
+    for (values, want) in [
+        (
+            json!({ "replicaCount": "two" }),
+            "replicaCount: 'two' is not of type 'integer'",
+        ),
+        (
+            json!({ "logFormat": "xml" }),
+            "logFormat: 'xml' is not one of",
+        ),
+        (
+            json!({ "grpc": { "port": 70000 } }),
+            "grpc/port: 70000 is greater than the maximum",
+        ),
+        (
+            json!({ "replicas": 3 }),
+            "Additional properties are not allowed ('replicas'",
+        ),
+        (
+            json!({ "access": { "identity": "pod-ip" } }),
+            "access/identity: 'pod-ip' does not match",
+        ),
+        (json!({ "linger": "soon" }), "linger: 'soon' does not match"),
+        (
+            json!({ "kinds": [{ "plural": "featureflags" }] }),
+            "kinds/0: 'group' is a required property",
+        ),
+        (
+            json!({ "watchNamespaces": ["Team_A"] }),
+            "watchNamespaces/0: 'Team_A' does not match",
+        ),
+    ] {
+        let err = render(values.clone()).unwrap_err();
+        assert!(err.contains(want), "{values}: {err}");
+    }
+    let ha = yaml_file(&chart().join("ci/ha-values.yaml"));
+    render(ha).expect("the HA example meets the schema");
+}
+
+#[test]
+fn the_default_and_ha_installs_validate_against_the_kubernetes_schemas() {
+    for values in [json!({}), yaml_file(&chart().join("ci/ha-values.yaml"))] {
+        let docs = render(values).expect("renders");
+        check_types(&docs);
+        kubernetes_validate(&docs);
+    }
+}
+
+#[test]
+fn the_chart_readme_lists_every_documented_value() {
+    let path = chart().join("README.md");
+    let readme = std::fs::read_to_string(&path).unwrap();
+    let (head, rest) = readme.split_once("<!-- values:begin -->\n").unwrap();
+    let (_, tail) = rest.split_once("<!-- values:end -->").unwrap();
+    let want = format!(
+        "{head}<!-- values:begin -->\n{}<!-- values:end -->{tail}",
+        values_table()
+    );
+    if std::env::var_os("UPDATE_CHART_README").is_some() && readme != want {
+        std::fs::write(&path, &want).unwrap();
+        return;
+    }
+    assert!(
+        readme == want,
+        "helm/crd-broker/README.md is out of date: run UPDATE_CHART_README=1 cargo test --test helm chart_readme"
+    );
+    for key in [
+        "replicaCount",
+        "podDisruptionBudget.maxUnavailable",
+        "probes.readiness",
+        "preStopSleepSeconds",
+    ] {
+        assert!(want.contains(&format!("| `{key}` |")), "{key}");
+    }
 }

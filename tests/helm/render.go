@@ -170,6 +170,7 @@ func main() {
 		"trimSuffix": func(suffix, s string) string { return strings.TrimSuffix(s, suffix) },
 		"contains":   func(sub, s string) bool { return strings.Contains(s, sub) },
 		"int":        toInt,
+		"add":        func(a, b int) int { return a + b },
 		"include": func(name string, data interface{}) (string, error) {
 			var out bytes.Buffer
 			err := root.ExecuteTemplate(&out, name, data)

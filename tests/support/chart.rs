@@ -40,6 +40,14 @@ pub fn render(overrides: Value) -> Result<Vec<Value>, String> {
     );
     let mut values = yaml_file(&chart().join("values.yaml"));
     merge(&mut values, &overrides);
+    // As helm does before rendering.
+    let errors = schema_errors(&values);
+    if !errors.is_empty() {
+        return Err(format!(
+            "values don't meet values.schema.json: {}",
+            errors.join("; ")
+        ));
+    }
     let meta = yaml_file(&chart().join("Chart.yaml"));
     let context = json!({
         "Values": values,
@@ -75,12 +83,90 @@ pub fn render(overrides: Value) -> Result<Vec<Value>, String> {
     Ok(docs)
 }
 
+fn venv_python() -> PathBuf {
+    std::env::var_os("CRD_BROKER_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(ROOT).join(".venv/bin/python"))
+}
+
+/// Where `values` departs from the chart's values.schema.json (Draft 7, checked by the
+/// `jsonschema` package from PyPI), one line each.
+pub fn schema_errors(values: &Value) -> Vec<String> {
+    let script = r#"
+import json, sys, jsonschema
+schema = json.load(open(sys.argv[1]))
+jsonschema.Draft7Validator.check_schema(schema)
+errors = jsonschema.Draft7Validator(schema).iter_errors(json.load(sys.stdin))
+print(json.dumps(sorted("/".join(map(str, e.path)) + ": " + e.message for e in errors)))
+"#;
+    let mut child = Command::new(venv_python())
+        .args(["-c", script])
+        .arg(chart().join("values.schema.json"))
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("python runs");
+    use std::io::Write;
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(values.to_string().as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "jsonschema (run scripts/test to install it): {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// The Kubernetes version the rendered objects are validated against.
+pub const KUBERNETES_VERSION: &str = "1.32.0";
+
+/// Checks every rendered object of a built-in kind against the Kubernetes schemas, strictly
+/// (no unknown fields), with `kubernetes-validate` from PyPI. Objects of the Prometheus
+/// Operator's kinds have no schema there; they are left to the callers' own checks.
+pub fn kubernetes_validate(docs: &[Value]) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("objects.yaml");
+    let builtin: Vec<String> = docs
+        .iter()
+        .filter(|d| {
+            !d["apiVersion"]
+                .as_str()
+                .unwrap_or_default()
+                .starts_with("monitoring.coreos.com/")
+        })
+        .map(|d| format!("---\n{d}\n"))
+        .collect();
+    assert!(!builtin.is_empty());
+    std::fs::write(&path, builtin.concat()).unwrap();
+    let validate = venv_python().with_file_name("kubernetes-validate");
+    let out = Command::new(&validate)
+        .args(["--strict", "--quiet", "-k", KUBERNETES_VERSION])
+        .arg(&path)
+        .output()
+        .unwrap_or_else(|e| {
+            panic!(
+                "{} (run scripts/test to install it): {e}",
+                validate.display()
+            )
+        });
+    assert!(
+        out.status.success(),
+        "kubernetes-validate finds problems:\n{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 /// yamllint: the default rules, with line length relaxed for long descriptions and sequences
 /// allowed at their key's indentation (as helm's own toYaml writes them).
 pub fn lint(files: &[&Path]) {
-    let python = std::env::var_os("CRD_BROKER_PYTHON")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(ROOT).join(".venv/bin/python"));
+    let python = venv_python();
     let config = "{extends: default, rules: {line-length: {max: 120}, document-start: disable, comments: {min-spaces-from-content: 1}, indentation: {spaces: consistent, indent-sequences: whatever}}}";
     let out = Command::new(&python)
         .args(["-m", "yamllint", "-f", "parsable", "-d", config])
@@ -102,4 +188,52 @@ pub fn kind<'a>(docs: &'a [Value], kind: &str) -> Vec<&'a Value> {
 
 pub fn container(docs: &[Value]) -> Value {
     kind(docs, "Deployment")[0]["spec"]["template"]["spec"]["containers"][0].clone()
+}
+
+/// The chart README's table of values, generated from values.yaml: each key with a `# --`
+/// description, its default, and the description.
+pub fn values_table() -> String {
+    let text = std::fs::read_to_string(chart().join("values.yaml")).unwrap();
+    let values = yaml_file(&chart().join("values.yaml"));
+    let mut rows = vec![
+        "| Key | Default | Description |".to_string(),
+        "|---|---|---|".to_string(),
+    ];
+    let mut path: Vec<(usize, String)> = Vec::new();
+    let mut description: Option<String> = None;
+    for line in text.lines() {
+        let trimmed = line.trim_start();
+        let indent = line.len() - trimmed.len();
+        if let Some(start) = trimmed.strip_prefix("# --") {
+            description = Some(start.trim().to_string());
+            continue;
+        }
+        if let Some(more) = trimmed.strip_prefix('#') {
+            if let Some(d) = description.as_mut() {
+                d.push(' ');
+                d.push_str(more.trim());
+            }
+            continue;
+        }
+        if trimmed.is_empty() || trimmed.starts_with('-') {
+            continue;
+        }
+        let Some((key, _)) = trimmed.split_once(':') else {
+            continue;
+        };
+        path.retain(|(i, _)| *i < indent);
+        path.push((indent, key.trim().to_string()));
+        if let Some(d) = description.take() {
+            let keys: Vec<&str> = path.iter().map(|(_, k)| k.as_str()).collect();
+            let value = keys.iter().fold(&values, |v, k| &v[*k]);
+            let cell = |s: String| s.replace('|', "\\|");
+            rows.push(format!(
+                "| `{}` | `{}` | {} |",
+                keys.join("."),
+                cell(value.to_string()),
+                cell(d)
+            ));
+        }
+    }
+    rows.join("\n") + "\n"
 }
