@@ -140,11 +140,13 @@ impl<S: Source> Running<S> {
             let grpc = axum::Router::new()
                 .route_service("/grpc.health.v1.Health/Check", health.clone())
                 .route_service("/grpc.health.v1.Health/Watch", health.clone());
+            let open = access.clone();
             crate::ops::admin::spawn(
                 admin,
                 readiness.clone(),
                 registry.clone(),
                 metrics.clone(),
+                Box::new(move || open.callers()),
                 grpc,
             );
         }

@@ -70,6 +70,18 @@ impl Limits {
         }
     }
 
+    /// The callers with streams open, by their limit key (`ip:…`, `pod:…`, `sa:…`, `unix:…`),
+    /// and how many each has.
+    pub fn callers(&self) -> Vec<(String, usize)> {
+        self.accounts
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .iter()
+            .filter(|(_, a)| a.streams > 0)
+            .map(|(key, a)| (key.clone(), a.streams))
+            .collect()
+    }
+
     /// Counts a new stream of the caller `key` (`None`: a caller the limits do not apply to)
     /// that starts `new_watches` watches, or says which limit it would break.
     pub fn admit(&self, key: Option<String>, new_watches: usize) -> Result<Slot, (Limit, String)> {

@@ -566,6 +566,12 @@ impl Access {
         Status::permission_denied(denial_message(caller, selector))
     }
 
+    /// The callers with streams open and how many each has (callers the limits do not apply
+    /// to, such as a local mesh proxy, are not listed).
+    pub fn callers(&self) -> Vec<(String, usize)> {
+        self.limits.callers()
+    }
+
     /// Admits a stream of `caller`'s over the resolved `selectors`, of which `new_watches` are
     /// not watched yet, within the per-caller limits (RESOURCE_EXHAUSTED naming the limit).
     pub fn admit(

@@ -25,6 +25,7 @@ use crate::transport::{
 use subscribe::Output;
 
 pub mod subscribe;
+pub mod top;
 
 /// Shares one Kubernetes watch per custom resource among many gRPC subscribers.
 #[derive(Debug, Parser)]
@@ -45,6 +46,10 @@ pub enum Command {
     Serve(Box<Serve>),
     /// Subscribe to resources on a running broker and print every event.
     Subscribe(SubscribeArgs),
+    /// A live view of a running broker in the terminal, read from its admin endpoints: each
+    /// watch with its subscribers, update rate, last event, errors and staleness; connections
+    /// and callers. `q` quits.
+    Top(top::TopArgs),
     /// Print a shell completion script: `source <(crd-broker completions bash)`, or write it
     /// where your shell loads completions from.
     Completions {
@@ -360,6 +365,7 @@ impl Cli {
         let result = match self.command {
             Command::Serve(serve) => serve.run().await,
             Command::Subscribe(s) => subscribe::run(s).await,
+            Command::Top(args) => top::run(args).await,
             Command::Completions { shell } => {
                 print!("{}", shell.script());
                 Ok(())

@@ -26,6 +26,7 @@ struct Admin {
     readiness: Arc<Readiness>,
     metrics: Arc<Metrics>,
     watches: Box<dyn Fn() -> Vec<WatchStatus> + Send + Sync>,
+    callers: Box<dyn Fn() -> Vec<(String, usize)> + Send + Sync>,
     started: Instant,
     heartbeat: Arc<AtomicU64>,
 }
@@ -37,6 +38,7 @@ pub fn spawn<S: Source>(
     readiness: Arc<Readiness>,
     registry: Registry<S>,
     metrics: Arc<Metrics>,
+    callers: Box<dyn Fn() -> Vec<(String, usize)> + Send + Sync>,
     grpc: Router,
 ) {
     let started = Instant::now();
@@ -55,6 +57,7 @@ pub fn spawn<S: Source>(
         readiness,
         metrics,
         watches: Box::new(move || registry.watches()),
+        callers,
         started,
         heartbeat,
     });
@@ -64,6 +67,7 @@ pub fn spawn<S: Source>(
         .route("/readyz", get(ready))
         .route("/metrics", get(metrics_text))
         .route("/debug/watches", get(watches))
+        .route("/debug/callers", get(list_callers))
         .with_state(admin)
         .merge(grpc);
     tokio::spawn(async move {
@@ -106,6 +110,21 @@ async fn metrics_text(State(admin): State<Arc<Admin>>) -> Response {
         .into_response()
 }
 
+/// The most callers `/debug/callers` lists (those with the most streams).
+const MAX_CALLERS_LISTED: usize = 1000;
+
+async fn list_callers(State(admin): State<Arc<Admin>>) -> Response {
+    let mut all = (admin.callers)();
+    all.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+    let total = all.len();
+    all.truncate(MAX_CALLERS_LISTED);
+    let list: Vec<_> = all
+        .into_iter()
+        .map(|(caller, streams)| json!({ "caller": caller, "streams": streams }))
+        .collect();
+    axum::Json(json!({ "callers": list, "total": total })).into_response()
+}
+
 fn rfc3339(t: SystemTime) -> String {
     humantime::format_rfc3339_seconds(t).to_string()
 }
@@ -123,6 +142,7 @@ async fn watches(State(admin): State<Arc<Admin>>) -> Response {
                 "lastEvent": w.last_event.map(rfc3339),
                 "resourceVersion": w.resource_version,
                 "errors": w.errors,
+                "updates": w.updates,
                 "staleSince": w.stale_since.map(rfc3339),
                 "staleSeconds": w
                     .stale_since

@@ -188,6 +188,8 @@ pub struct WatchStatus {
     pub resource_version: Option<String>,
     /// Errors the source reported since the watch started.
     pub errors: u64,
+    /// New states published since the watch started.
+    pub updates: u64,
     /// Since when the source has reported only errors, if its last report was one: the state
     /// subscribers hold may be stale since then.
     pub stale_since: Option<SystemTime>,
@@ -200,6 +202,7 @@ struct Stats {
     left: Mutex<Instant>,
     last_event: Mutex<Option<SystemTime>>,
     errors: AtomicU64,
+    updates: AtomicU64,
     stale_since: Mutex<Option<SystemTime>>,
 }
 
@@ -341,6 +344,7 @@ impl<S: Source> Registry<S> {
                     left: Mutex::new(Instant::now()),
                     last_event: Mutex::new(None),
                     errors: AtomicU64::new(0),
+                    updates: AtomicU64::new(0),
                     stale_since: Mutex::new(None),
                 });
                 v.insert(Entry {
@@ -408,6 +412,7 @@ impl<S: Source> Registry<S> {
                         .unwrap_or_else(PoisonError::into_inner),
                     resource_version,
                     errors: stats.errors.load(Ordering::Relaxed),
+                    updates: stats.updates.load(Ordering::Relaxed),
                     stale_since: *stats
                         .stale_since
                         .lock()
@@ -574,6 +579,7 @@ fn publish(
         }
     };
     if modified {
+        stats.updates.fetch_add(1, Ordering::Relaxed);
         metrics.updates.get_or_create(labels).inc();
     }
 }
