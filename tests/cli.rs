@@ -55,9 +55,13 @@ async fn serve(dir: &Path, port: u16) -> Child {
 }
 
 fn subscribe(port: u16, args: &[&str]) -> (Child, Lines<BufReader<ChildStdout>>) {
+    subscribe_to(&format!("http://127.0.0.1:{port}"), args)
+}
+
+/// `crd-broker subscribe --server SERVER ARGS`, and its output's lines.
+fn subscribe_to(server: &str, args: &[&str]) -> (Child, Lines<BufReader<ChildStdout>>) {
     let mut child = Command::new(BIN)
-        .arg("subscribe")
-        .args(["--server", &format!("http://127.0.0.1:{port}")])
+        .args(["subscribe", "--server", server])
         .args(args)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -356,15 +360,7 @@ async fn subscribe_output(
     args: &[&str],
     done: impl Fn(&[String]) -> bool,
 ) -> (Vec<String>, String) {
-    let mut child = Command::new(BIN)
-        .args(["subscribe", "--server", server])
-        .args(args)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .expect("subscribe starts");
-    let mut out = BufReader::new(child.stdout.take().unwrap()).lines();
+    let (mut child, mut out) = subscribe_to(server, args);
     let mut got = Vec::new();
     while !done(&got) {
         match tokio::time::timeout(Duration::from_secs(10), out.next_line()).await {

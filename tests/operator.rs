@@ -70,6 +70,16 @@ async fn serving(addr: SocketAddr) {
     .await;
 }
 
+/// The next configuration on `stream`.
+async fn next_config(stream: &mut tonic::Streaming<flagd::SyncFlagsResponse>) -> Value {
+    let next = tokio::time::timeout(WAIT, stream.message())
+        .await
+        .expect("a configuration in time")
+        .unwrap()
+        .unwrap();
+    serde_json::from_str(&next.flag_configuration).unwrap()
+}
+
 /// What the operator's flagd sidecar does for a `grpc` source: SyncFlags with the selector in
 /// the body (no `flagd-selector` header) and the source's providerID (empty by default); the
 /// first configuration.
@@ -85,15 +95,8 @@ async fn sidecar_sync(addr: SocketAddr) -> (tonic::Streaming<flagd::SyncFlagsRes
         .await
         .expect("SyncFlags is served")
         .into_inner();
-    let first = tokio::time::timeout(WAIT, stream.message())
-        .await
-        .expect("a configuration in time")
-        .unwrap()
-        .unwrap();
-    (
-        stream,
-        serde_json::from_str(&first.flag_configuration).unwrap(),
-    )
+    let first = next_config(&mut stream).await;
+    (stream, first)
 }
 
 /// The real Python provider, configured only by the environment an InProcessConfiguration
@@ -161,13 +164,10 @@ async fn the_operators_flagd_proxy_deployment_runs_the_broker_image_unchanged() 
     println!("in-process provider through the flagd-proxy Deployment: {summary}");
     // Both sidecar streams saw the provider's change.
     for stream in &mut streams {
-        let next = tokio::time::timeout(WAIT, stream.message())
-            .await
-            .expect("the change reaches the sidecar")
-            .unwrap()
-            .unwrap();
-        let config: Value = serde_json::from_str(&next.flag_configuration).unwrap();
-        assert_eq!(config["flags"]["f"]["defaultVariant"], "off");
+        assert_eq!(
+            next_config(stream).await["flags"]["f"]["defaultVariant"],
+            "off"
+        );
     }
     drop(streams);
     eventually("the gauge falls back", WAIT, async || {
@@ -214,13 +214,10 @@ async fn feature_flag_sources_with_provider_grpc_reach_the_chart_s_broker() {
     // An InProcessConfiguration `host: flags-crd-broker.openfeature.svc, port: <port>`.
     let summary = in_process_provider(&fake.url(), "127.0.0.1", grpc).await;
     println!("in-process provider through the chart's Service: {summary}");
-    let next = tokio::time::timeout(WAIT, stream.message())
-        .await
-        .expect("the change reaches the sidecar")
-        .unwrap()
-        .unwrap();
-    let config: Value = serde_json::from_str(&next.flag_configuration).unwrap();
-    assert_eq!(config["flags"]["f"]["defaultVariant"], "off");
+    assert_eq!(
+        next_config(&mut stream).await["flags"]["f"]["defaultVariant"],
+        "off"
+    );
     // The same health on the admin port, where the chart's probes and the operator look.
     serving(SocketAddr::from(([127, 0, 0, 1], admin))).await;
 }
