@@ -114,10 +114,7 @@ impl<S: Source> Running<S> {
         } = listeners;
         let admin_addr = admin.as_ref().map(TcpListener::local_addr).transpose()?;
         let shutdown = CancellationToken::new();
-        let metrics = Arc::new(Metrics::new(
-            &source.kinds(),
-            source.api_requests().unwrap_or_default(),
-        ));
+        let metrics = Arc::new(Metrics::new(&source.kinds(), source.api_requests()));
         let access = Access::new(config.access, metrics.clone())?;
         let registry = Registry::with_metrics(
             source,

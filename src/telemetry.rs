@@ -461,7 +461,7 @@ fn latency_histogram() -> Histogram {
 
 impl Default for Metrics {
     fn default() -> Self {
-        Metrics::new(&[], ApiRequests::default())
+        Metrics::new(&[], None)
     }
 }
 
@@ -476,8 +476,11 @@ impl Metrics {
     /// Every family, registered, with a series (at zero) for each label value known at start:
     /// every method the broker serves and every status code, each of the `kinds` served
     /// (`plural.group`), each limit, denial and reload outcome, so dashboards and alerts see
-    /// data before the first subscriber. `api` counts the source's Kubernetes requests.
-    pub fn new(kinds: &[String], api: ApiRequests) -> Self {
+    /// data before the first subscriber. `api` counts the source's Kubernetes requests (none:
+    /// the source has no API server, and those families stay empty).
+    pub fn new(kinds: &[String], api: Option<ApiRequests>) -> Self {
+        let has_api = api.is_some();
+        let api = api.unwrap_or_default();
         let mut root = Registry::default();
         let m = Metrics {
             watches: Family::default(),
@@ -644,12 +647,12 @@ impl Metrics {
             registry: root,
             ..m
         };
-        m.initialize(kinds);
+        m.initialize(kinds, has_api);
         m
     }
 
     /// The series known at start, at zero.
-    fn initialize(&self, kinds: &[String]) {
+    fn initialize(&self, kinds: &[String], has_api: bool) {
         for method in crate::transport::METHODS {
             let labels = method.labels();
             let _ = self.grpc.started.get_or_create(&labels);
@@ -718,6 +721,9 @@ impl Metrics {
         }
         for result in [ReloadResult::Loaded, ReloadResult::Refused] {
             let _ = self.policy_reloads.get_or_create(&ReloadLabels { result });
+        }
+        if !has_api {
+            return;
         }
         for verb in ["get", "list", "watch"] {
             let _ = self.api.requests.get_or_create(&ApiRequestLabels {
@@ -1006,7 +1012,7 @@ mod tests {
     #[test]
     fn metrics_encode_with_prometheus_names_and_every_family_has_series_from_the_start() {
         let kind = "featureflags.core.openfeature.dev".to_string();
-        let m = Metrics::new(std::slice::from_ref(&kind), ApiRequests::default());
+        let m = Metrics::new(std::slice::from_ref(&kind), Some(ApiRequests::default()));
         let text = m.encode();
         for series in [
             r#"crd_broker_watches{resource="featureflags.core.openfeature.dev"} 0"#,
