@@ -407,12 +407,16 @@ async fn spans_for_subscriptions_and_watches_reach_an_otlp_collector_configured_
         drop(s);
         assert!(fake.wait_for(WAIT, |f| f.open_watches() == 0).await);
         // Exported as they end (in batches every 100 ms), not only at exit.
-        eventually(&format!("{protocol}: both spans exported"), WAIT, async || {
-            let spans = spans.lock().unwrap();
-            ["subscription", "watch"]
-                .iter()
-                .all(|name| spans.iter().any(|s| s.name == *name))
-        })
+        eventually(
+            &format!("{protocol}: both spans exported"),
+            WAIT,
+            async || {
+                let spans = spans.lock().unwrap();
+                ["subscription", "watch"]
+                    .iter()
+                    .all(|name| spans.iter().any(|s| s.name == *name))
+            },
+        )
         .await;
         broker.signal("TERM");
         let mut child = broker.child;
