@@ -54,6 +54,19 @@ async fn serve(dir: &Path, port: u16) -> Child {
     child
 }
 
+/// `crd-broker GLOBAL serve --manifests DIR` on 127.0.0.1:`port` with no admin server, for
+/// the caller to add to and spawn.
+fn serve_on(global: &[&str], dir: &Path, port: u16) -> Command {
+    let mut command = Command::new(BIN);
+    command
+        .args(global)
+        .args(["serve", "--manifests"])
+        .arg(dir)
+        .args(["--grpc-addr", &format!("127.0.0.1:{port}")])
+        .args(["--admin-addr", "none"]);
+    command
+}
+
 fn subscribe(port: u16, args: &[&str]) -> (Child, Lines<BufReader<ChildStdout>>) {
     subscribe_to(&format!("http://127.0.0.1:{port}"), args)
 }
@@ -190,15 +203,7 @@ async fn json_logs_are_one_object_per_line() {
     let dir = tempfile::tempdir().unwrap();
     copy_examples(dir.path());
     let port = free_port();
-    let mut child = Command::new(BIN)
-        .args(["--log-format", "json", "serve", "--manifests"])
-        .arg(dir.path())
-        .args([
-            "--grpc-addr",
-            &format!("127.0.0.1:{port}"),
-            "--admin-addr",
-            "none",
-        ])
+    let mut child = serve_on(&["--log-format", "json"], dir.path(), port)
         .args(["--linger", "0s"])
         .env("RUST_LOG", "info,crd_broker::registry=debug")
         .stdout(Stdio::null())
@@ -393,15 +398,7 @@ async fn subscribe_reaches_a_broker_over_tls_mtls_and_a_unix_socket_and_prints_y
     let file = |name: &str| certs.path().join(name).display().to_string();
     let socket = dir.path().join("broker.sock");
     let port = free_port();
-    let _broker = Command::new(BIN)
-        .args(["serve", "--manifests"])
-        .arg(dir.path())
-        .args([
-            "--grpc-addr",
-            &format!("127.0.0.1:{port}"),
-            "--admin-addr",
-            "none",
-        ])
+    let _broker = serve_on(&[], dir.path(), port)
         .args([
             "--tls-cert",
             &file("tls.crt"),

@@ -480,7 +480,12 @@ impl tower::Service<http::Request<Incoming>> for ConnService {
             limit: self.max_request_bytes,
             state: Prefix::default(),
             metrics: self.metrics.clone(),
-            labels: labels.clone(),
+            received: self
+                .metrics
+                .grpc
+                .msg_received
+                .get_or_create(&labels)
+                .clone(),
         };
         let request = http::Request::from_parts(parts, tonic::body::Body::new(limited));
         let metrics = self.metrics.clone();
@@ -489,8 +494,10 @@ impl tower::Service<http::Request<Incoming>> for ConnService {
         Box::pin(async move {
             let response = future.await?;
             let (parts, body) = response.into_parts();
+            let sent_messages = metrics.grpc.msg_sent.get_or_create(&labels).clone();
             let mut counted = CountedBody {
                 inner: body,
+                sent_messages,
                 labels,
                 metrics,
                 started,
@@ -576,7 +583,8 @@ struct LimitedBody {
     limit: usize,
     state: Prefix,
     metrics: Arc<Metrics>,
-    labels: GrpcLabels,
+    /// The call's `grpc_server_msg_received_total`, looked up once per call.
+    received: prometheus_client::metrics::counter::Counter,
 }
 
 impl Body for LimitedBody {
@@ -599,8 +607,7 @@ impl Body for LimitedBody {
                     if let Ok(began) = advanced
                         && began > 0
                     {
-                        let received = self.metrics.grpc.msg_received.get_or_create(&self.labels);
-                        received.inc_by(began);
+                        self.received.inc_by(began);
                     }
                     if let Err(size) = advanced {
                         self.metrics
@@ -639,6 +646,9 @@ pub struct CountedBody {
     started: std::time::Instant,
     /// Where the response is in its gRPC framing, to count messages.
     sent: Prefix,
+    /// The call's `grpc_server_msg_sent_total`, looked up once per call rather than per
+    /// message.
+    sent_messages: prometheus_client::metrics::counter::Counter,
     done: bool,
 }
 
@@ -681,8 +691,7 @@ impl Body for CountedBody {
             if let Some(data) = frame.data_ref() {
                 let began = self.sent.advance(data.chunk(), usize::MAX).unwrap_or(0);
                 if began > 0 {
-                    let sent = self.metrics.grpc.msg_sent.get_or_create(&self.labels);
-                    sent.inc_by(began);
+                    self.sent_messages.inc_by(began);
                 }
             } else if let Some(code) = frame.trailers_ref().and_then(|t| t.get("grpc-status")) {
                 let code = code.as_bytes().to_vec();
