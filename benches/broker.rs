@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use crd_broker::grpc::flagd::flag_configuration;
 use crd_broker::grpc::frame::{Encoded, Frame, WriteFrame, encode_object};
+use crd_broker::grpc::wire;
 use crd_broker::pb::subscribe_response::Event;
 use crd_broker::registry::{Registry, State};
 use crd_broker::selector::Selector;
@@ -186,6 +187,27 @@ fn frame(c: &mut Criterion) {
                 Encoded(shared.clone()).write(&mut buf);
             });
         });
+        // What the broker sends: the head in a chunk of its own, the shared bytes as they are.
+        group.bench_with_input(
+            BenchmarkId::new("native, wire", size),
+            &shared,
+            |b, shared| {
+                b.iter(|| {
+                    wire::chunks(&Frame {
+                        index: 3,
+                        event: Event::Updated,
+                        shared: shared.clone(),
+                    })
+                });
+            },
+        );
+        group.bench_with_input(
+            BenchmarkId::new("flagd, wire", size),
+            &shared,
+            |b, shared| {
+                b.iter(|| wire::chunks(&Encoded(shared.clone())));
+            },
+        );
     }
     group.finish();
 }

@@ -12,8 +12,12 @@ use tokio_util::sync::CancellationToken;
 use crate::access::{self, Access, Authenticate};
 use crate::grpc::BrokerService;
 use crate::grpc::flagd::{FlagdCore, FlagdService, LegacyService};
+use crate::grpc::wire::Streams;
 use crate::ops::health::Readiness;
+use crate::pb::broker_server::Broker as _;
+use crate::pb::flagd::flag_sync_service_server::FlagSyncService as _;
 use crate::pb::flagd::flag_sync_service_server::FlagSyncServiceServer;
+use crate::pb::legacy::flag_sync_service_server::FlagSyncService as _;
 use crate::pb::legacy::flag_sync_service_server::FlagSyncServiceServer as LegacyServer;
 use crate::registry::{DEFAULT_LINGER, Registry};
 use crate::source::Source;
@@ -160,14 +164,36 @@ impl<S: Source> Running<S> {
             access.clone(),
             shutdown.clone(),
         ));
-        let native = BrokerService::new(registry.clone(), access.clone(), shutdown.clone());
-        let routes = tonic::service::Routes::new(health)
+        let native = Arc::new(BrokerService::new(
+            registry.clone(),
+            access.clone(),
+            shutdown.clone(),
+        ));
+        let tonic_routes = tonic::service::Routes::new(health)
             .add_service(reflection)
             .add_service(reflection_alpha)
-            .add_service(native.server())
             .add_service(FlagSyncServiceServer::new(FlagdService(flagd.clone())))
-            .add_service(LegacyServer::new(LegacyService(flagd)))
+            .add_service(LegacyServer::new(LegacyService(flagd.clone())))
             .prepare();
+        // The streams go out through `wire`, which shares each update's bytes among its
+        // subscribers; tonic serves the rest.
+        let (flagd, legacy) = (
+            Arc::new(FlagdService(flagd.clone())),
+            Arc::new(LegacyService(flagd)),
+        );
+        let routes = Streams::new(tonic_routes)
+            .route("/crdbroker.v1.Broker/Subscribe", move |request| {
+                let native = native.clone();
+                async move { native.subscribe(request).await }
+            })
+            .route("/flagd.sync.v1.FlagSyncService/SyncFlags", move |request| {
+                let flagd = flagd.clone();
+                async move { flagd.sync_flags(request).await }
+            })
+            .route("/sync.v1.FlagSyncService/SyncFlags", move |request| {
+                let legacy = legacy.clone();
+                async move { legacy.sync_flags(request).await }
+            });
         // With identity off there is nothing to identify: requests go straight to the services.
         let make: transport::MakeService = if access.identifies() {
             let access = access.clone();

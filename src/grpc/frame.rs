@@ -68,44 +68,66 @@ pub fn encode_failed(selector: &str, status: &tonic::Status) -> Bytes {
 #[derive(Debug, Clone, PartialEq)]
 pub struct Encoded(pub Bytes);
 
-/// A response the [`FrameCodec`] can write.
+/// A response made of this subscriber's own fields (the head) followed by a part encoded once
+/// for every subscriber. [`crate::grpc::wire`] sends the shared part without copying it. The
+/// [`FrameCodec`], which the generated servers need and the load harness's bare server writes
+/// through, copies both.
 pub trait WriteFrame: Send + 'static {
-    /// Writes the message's protobuf encoding.
-    fn write(&self, dst: &mut impl BufMut);
+    /// Writes this subscriber's own fields.
+    fn write_head(&self, dst: &mut impl BufMut);
 
-    /// An upper bound of the encoded length, to reserve it at once.
-    fn len_hint(&self) -> usize;
+    /// An upper bound of the head's encoded length.
+    fn head_len_hint(&self) -> usize;
+
+    /// The shared part, already encoded.
+    fn shared(&self) -> &Bytes;
+
+    /// Writes the whole message.
+    fn write(&self, dst: &mut impl BufMut) {
+        self.write_head(dst);
+        dst.put_slice(self.shared());
+    }
+
+    /// An upper bound of the whole message's encoded length.
+    fn len_hint(&self) -> usize {
+        self.head_len_hint() + self.shared().len()
+    }
 }
 
 impl WriteFrame for Frame {
-    fn write(&self, dst: &mut impl BufMut) {
+    fn write_head(&self, dst: &mut impl BufMut) {
         if self.index != 0 {
             prost::encoding::uint32::encode(1, &self.index, dst);
         }
         prost::encoding::int32::encode(3, &(self.event as i32), dst);
-        dst.put_slice(&self.shared);
     }
 
-    fn len_hint(&self) -> usize {
+    fn head_len_hint(&self) -> usize {
         // Two tagged varints: at most 1 + 5 (u32) and 1 + 10 (a negative i32).
-        self.shared.len() + 17
+        17
+    }
+
+    fn shared(&self) -> &Bytes {
+        &self.shared
     }
 }
 
 impl WriteFrame for Encoded {
-    fn write(&self, dst: &mut impl BufMut) {
-        dst.put_slice(&self.0);
+    fn write_head(&self, _dst: &mut impl BufMut) {}
+
+    fn head_len_hint(&self) -> usize {
+        0
     }
 
-    fn len_hint(&self) -> usize {
-        self.0.len()
+    fn shared(&self) -> &Bytes {
+        &self.0
     }
 }
 
-/// Each stream keeps its encode buffer for life. tonic's default allocates 8 KiB up front, a
-/// quarter of an idle sidecar's cost; frames are reserved at their exact size instead, so the
-/// initial buffer can be small (not zero: tonic's compression divides by it).
-fn stream_buffers() -> BufferSettings {
+/// Each stream keeps its buffers for life. tonic's default allocates 8 KiB up front, a quarter
+/// of an idle sidecar's cost; frames are reserved at their exact size instead, so the initial
+/// buffer can be small (not zero: tonic's compression divides by it).
+pub(crate) fn stream_buffers() -> BufferSettings {
     BufferSettings::new(256, 32 * 1024)
 }
 

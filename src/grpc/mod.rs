@@ -13,7 +13,7 @@ use tonic::{Request, Response, Status};
 use crate::access::{Access, Caller, Ticket};
 use crate::conn::{ConnDrain, DrainReason};
 use crate::pb;
-use crate::pb::broker_server::{Broker, BrokerServer};
+use crate::pb::broker_server::Broker;
 use crate::pb::subscribe_response::Event;
 use crate::registry::{Registry, State, Subscription, Update};
 use crate::selector::{KindRef, ParseError, Selector};
@@ -26,6 +26,7 @@ pub mod flagd;
 pub mod frame;
 mod messages;
 mod sets;
+pub mod wire;
 
 use frame::Frame;
 use messages::{End, Messages, Next};
@@ -237,11 +238,6 @@ impl<S: Source> BrokerService<S> {
         };
         tracing::debug!(%set, %caller, "set subscribed");
         Ok(Response::new(sets::stream(set, members, 0, ends)))
-    }
-
-    /// The tonic server for this service.
-    pub fn server(self) -> BrokerServer<Self> {
-        BrokerServer::new(self)
     }
 }
 
