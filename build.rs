@@ -1,6 +1,8 @@
 //! Generates the protobuf types and clients with prost (through protox, so no protoc is
 //! needed), and the servers whose streams write pre-encoded responses through a pass-through
-//! codec (see `src/grpc/frame.rs` and ADR 0007).
+//! codec (see `src/grpc/frame.rs` and ADR 0007). The broker serves those streams through
+//! `src/grpc/wire.rs` instead, which does not copy them; the generated servers serve the unary
+//! methods, and the load harness's bare server.
 
 use std::path::PathBuf;
 
