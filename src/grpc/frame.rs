@@ -69,7 +69,7 @@ pub fn encode_failed(selector: &str, status: &tonic::Status) -> Bytes {
 pub struct Encoded(pub Bytes);
 
 /// A response made of this subscriber's own fields (the head) followed by a part encoded once
-/// for every subscriber. [`crate::grpc::wire`] sends the shared part without copying it. The
+/// for every subscriber. [`crate::grpc::wire`] sends a large shared part without copying it. The
 /// [`FrameCodec`], which the generated servers need and the load harness's bare server writes
 /// through, copies both.
 pub trait WriteFrame: Send + 'static {

@@ -3,8 +3,9 @@
 //! tonic's encoder copies each message into a buffer the stream keeps for life, sized to the
 //! largest message it has sent: every subscriber copies every update, and an idle sidecar on a
 //! 64 KiB FeatureFlag holds 64 KiB it will not use again. Here a message is its gRPC prefix and
-//! the subscriber's own fields ([`WriteFrame::write_head`], a few bytes), then the shared part as
-//! the same [`Bytes`] every subscriber sends, which h2 writes from where it is.
+//! the subscriber's own fields ([`WriteFrame::write_head`], a few bytes), then the shared part:
+//! from `SHARE_FROM` (8 KiB) on, as the same [`Bytes`] every subscriber sends, which h2 writes from
+//! where it is; below it, copied once into the message's own buffer.
 //!
 //! [`Streams`] routes the server-streaming methods here and everything else to tonic. Requests
 //! are read as tonic reads them: one message, with the same decoder and size limit.
@@ -28,10 +29,12 @@ use tonic_prost::ProstDecoder;
 
 use super::frame::{WriteFrame, stream_buffers};
 
-/// A shared part shorter than this is copied after the head, so the message is one DATA frame:
-/// h2 copies payloads under 256 bytes into its write buffer anyway, and a second frame costs
-/// more than copying a few hundred bytes.
-const SHARE_FROM: usize = 512;
+/// A shared part shorter than this is copied after the head, so the message is one DATA frame.
+/// A second frame through hyper and h2 costs more than copying a small object: in the hot-CR
+/// load scenario (10 updates/s to every subscriber) copying was faster at 1 and 4 KiB, even at
+/// 8 KiB, and slower at 16 KiB (docs/performance.md). The copy is the message's own and is
+/// freed once written, so a stream still keeps no buffer.
+const SHARE_FROM: usize = 8 * 1024;
 
 /// The response body of one stream: each message as one or two chunks, then the status in the
 /// trailers.
@@ -307,8 +310,8 @@ mod tests {
 
     #[tokio::test]
     async fn a_large_shared_part_goes_out_as_the_same_bytes_and_a_small_one_in_one_chunk() {
-        let large = frame(3, Event::Updated, 4096);
-        let small = frame(0, Event::Snapshot, 10);
+        let large = frame(3, Event::Updated, SHARE_FROM);
+        let small = frame(0, Event::Snapshot, 1024);
         let stream = futures::stream::iter([Ok(large.clone()), Ok(small.clone())]).boxed();
         let (chunks, trailers) = frames(FrameBody::new(stream)).await;
         assert_eq!(chunks.len(), 3, "head and shared part, then one chunk");
