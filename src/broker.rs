@@ -175,8 +175,8 @@ impl<S: Source> Running<S> {
             .add_service(FlagSyncServiceServer::new(FlagdService(flagd.clone())))
             .add_service(LegacyServer::new(LegacyService(flagd.clone())))
             .prepare();
-        // The streams go out through `wire`, which shares each update's bytes among its
-        // subscribers; tonic serves the rest.
+        // The streams go out through `wire`: no buffer per stream, and an update of 8 KiB or
+        // more sent as the same bytes to every subscriber. tonic serves the rest.
         let (flagd, legacy) = (
             Arc::new(FlagdService(flagd.clone())),
             Arc::new(LegacyService(flagd)),
