@@ -89,6 +89,11 @@ pub struct Run {
     /// Idle sidecars (one connection, one stream each) in the memory scenario.
     #[arg(long, default_value_t = 10_000)]
     pub sidecars: usize,
+    /// How long the idle sidecars stay connected before the broker's memory is read. Every frame
+    /// a sidecar sends (a PING answer, a WINDOW_UPDATE) moves h2's read position further into its
+    /// 8 KiB read buffer, so a longer hold with frequent pings shows the steady state.
+    #[arg(long, default_value = "1s", value_parser = humantime::parse_duration)]
+    pub idle_hold: Duration,
     /// Pods (distinct source addresses, 127.1.0.1 …) the identity scenario's sidecars run in.
     #[arg(long, default_value_t = 1_000)]
     pub pod_ips: usize,

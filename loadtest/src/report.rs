@@ -129,6 +129,10 @@ impl Results {
             ),
             ("churn_subscribers", run.churn_subscribers.to_string()),
             ("sidecars", run.sidecars.to_string()),
+            (
+                "idle_hold",
+                humantime::format_duration(run.idle_hold).to_string(),
+            ),
             ("pod_ips", run.pod_ips.to_string()),
             ("payload_bytes", run.payload_bytes.to_string()),
             ("smoke", run.smoke.to_string()),
@@ -414,9 +418,10 @@ pub fn markdown(r: &Results) -> String {
     }
     if let Some(i) = &r.idle {
         s += &format!(
-            "### Idle sidecars (one connection, one stream each)\n\n| | broker | bare tonic |\n|---|---|---|\n| sidecars | {} | {} |\n| memory before → after | {} → {} | {} → {} |\n| per sidecar | {} | {} |\n| connect time | {:.1} s | {:.1} s |\n\n",
+            "### Idle sidecars (one connection, one stream each)\n\n| | broker | bare tonic |\n|---|---|---|\n| sidecars | {} | {} |\n| memory before → after {:.1} s connected | {} → {} | {} → {} |\n| per sidecar | {} | {} |\n| connect time | {:.1} s | {:.1} s |\n\n",
             i.broker.sidecars,
             i.bare.sidecars,
+            i.broker.hold_seconds,
             mib(i.broker.rss_before_bytes),
             mib(i.broker.rss_after_bytes),
             mib(i.bare.rss_before_bytes),

@@ -988,8 +988,10 @@ pub struct IdleRun {
     pub sidecars: usize,
     /// Server memory before.
     pub rss_before_bytes: u64,
-    /// Server memory with every sidecar connected.
+    /// Server memory with every sidecar connected, `hold_seconds` after the last connected.
     pub rss_after_bytes: u64,
+    /// How long the sidecars were held connected before `rss_after_bytes` was read.
+    pub hold_seconds: f64,
     /// (after - before) / sidecars.
     pub bytes_per_sidecar: f64,
     /// Seconds to connect them all.
@@ -1050,13 +1052,14 @@ async fn idle_on(run: &Run, kind: Kind) -> anyhow::Result<IdleRun> {
         .collect::<Result<_, _>>()?;
     progress.finish_and_clear();
     let connect = started.elapsed();
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    tokio::time::sleep(run.idle_hold).await;
     let after = target.rss();
     let result = IdleRun {
         target: kind,
         sidecars: sidecars.len(),
         rss_before_bytes: before,
         rss_after_bytes: after,
+        hold_seconds: run.idle_hold.as_secs_f64(),
         bytes_per_sidecar: after.saturating_sub(before) as f64 / n.max(1) as f64,
         connect_seconds: connect.as_secs_f64(),
     };

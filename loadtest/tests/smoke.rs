@@ -86,6 +86,8 @@ fn the_smoke_configuration_runs_every_scenario_and_loses_nothing() {
             .unwrap()
             > 0.0
     );
+    assert_eq!(results["idle"]["broker"]["hold_seconds"], 1.0);
+    assert_eq!(results["settings"]["idle_hold"], "1s");
     let identity = &results["identity"];
     for broker in ["none", "peer_pod"] {
         assert_eq!(identity[broker]["lost"], 0, "identity {broker}: {identity}");
