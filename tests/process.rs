@@ -43,7 +43,7 @@ impl Process {
 /// Starts `crd-broker serve` on loopback ports against the fake, and waits until it is ready.
 async fn spawn(kubeconfig: &std::path::Path, args: &[&str], env: &[(&str, &str)]) -> Process {
     let (grpc, admin) = (free_port(), free_port());
-    let child = Command::new(BIN)
+    let mut child = Command::new(BIN)
         .args([
             "serve",
             "--grpc-addr",
@@ -61,7 +61,7 @@ async fn spawn(kubeconfig: &std::path::Path, args: &[&str], env: &[(&str, &str)]
         .spawn()
         .expect("the broker starts");
     let admin: SocketAddr = ([127, 0, 0, 1], admin).into();
-    wait_ready(admin).await;
+    wait_ready(admin, &mut child).await;
     Process {
         child,
         grpc: ([127, 0, 0, 1], grpc).into(),
@@ -69,7 +69,9 @@ async fn spawn(kubeconfig: &std::path::Path, args: &[&str], env: &[(&str, &str)]
     }
 }
 
-async fn wait_ready(admin: SocketAddr) {
+/// Waits until the broker answers `/readyz` with 200. A broker that exits first fails the test
+/// at once, with its exit status, rather than after the wait.
+async fn wait_ready(admin: SocketAddr, child: &mut Child) {
     let ready = tokio::time::timeout(Duration::from_secs(20), async {
         loop {
             if let Ok(Ok((200, _))) =
@@ -79,14 +81,32 @@ async fn wait_ready(admin: SocketAddr) {
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
-    })
-    .await;
-    assert!(ready.is_ok(), "the broker becomes ready");
+    });
+    tokio::select! {
+        ready = ready => assert!(ready.is_ok(), "the broker becomes ready"),
+        exit = child.wait() => panic!("the broker exited ({exit:?}) before it was ready"),
+    }
 }
 
+/// One GET, failing (rather than panicking) when the server does not answer: while a broker
+/// starts, its admin port may not take connections yet.
 async fn try_get(addr: SocketAddr, path: &str) -> std::io::Result<(u16, String)> {
-    tokio::net::TcpStream::connect(addr).await?;
-    Ok(http_get(addr, path).await)
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(addr).await?;
+    let request = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+    stream.write_all(request.as_bytes()).await?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response).await?;
+    let status = response
+        .split(' ')
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    let body = response
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default();
+    Ok((status, body))
 }
 
 async fn health_watch(addr: SocketAddr) -> tonic::Streaming<tonic_health::pb::HealthCheckResponse> {
@@ -682,7 +702,7 @@ async fn with_grpc_addr_none_it_serves_on_the_unix_socket_alone() {
         .kill_on_drop(true)
         .spawn()
         .expect("the broker starts");
-    wait_ready(admin).await;
+    wait_ready(admin, &mut child).await;
 
     let pid = child.id().unwrap();
     assert_eq!(
@@ -763,7 +783,7 @@ async fn environment_variables_configure_serve_without_flags() {
         .spawn()
         .expect("the broker starts");
     let mut log = tokio::io::BufReader::new(child.stderr.take().unwrap()).lines();
-    wait_ready(admin).await;
+    wait_ready(admin, &mut child).await;
 
     // CRD_BROKER_LOG_FORMAT: the start-up line is JSON.
     let line = tokio::time::timeout(WAIT, log.next_line())
@@ -851,11 +871,22 @@ async fn serve_speaks_http2_to_a_tls_api_server_unless_api_http2_is_off() {
                 .collect::<Vec<_>>()
         );
         // The broker counts its own requests as the API server saw them, over either stack.
+        // It counts a request when the response headers reach it; the fake logs a watch when
+        // it opens it, before its headers are on the wire. So the watch the fake saw may not
+        // be counted yet: wait for the count to reach what the fake saw, then check that it
+        // is exactly that.
+        let key =
+            |verb: &str| format!(r#"crd_broker_api_requests_total{{verb="{verb}",code="200"}}"#);
+        let seen = |verb: &str| requests.iter().filter(|r| r.verb == verb).count() as f64;
+        eventually(
+            "the broker counts the watch the API server opened",
+            WAIT,
+            async || get(&metrics(broker.admin).await, &key("watch")) >= seen("watch"),
+        )
+        .await;
         let counted = metrics(broker.admin).await;
         for verb in ["list", "watch"] {
-            let seen = requests.iter().filter(|r| r.verb == verb).count() as f64;
-            let key = format!(r#"crd_broker_api_requests_total{{verb="{verb}",code="200"}}"#);
-            assert_eq!(get(&counted, &key), seen, "{env:?}: {verb}");
+            assert_eq!(get(&counted, &key(verb)), seen(verb), "{env:?}: {verb}");
         }
         // Gone before the next one starts, so that none of its requests is counted there.
         broker.child.kill().await.unwrap();
