@@ -20,8 +20,8 @@ use crate::pb::flagd::flag_sync_service_server::FlagSyncServiceServer;
 use crate::pb::legacy::flag_sync_service_server::FlagSyncService as _;
 use crate::pb::legacy::flag_sync_service_server::FlagSyncServiceServer as LegacyServer;
 use crate::registry::{DEFAULT_LINGER, Registry};
-use crate::source::Source;
-use crate::telemetry::Metrics;
+use crate::source::{Source, SourceError};
+use crate::telemetry::{GrpcMethod, Known, Metrics};
 use crate::transport::{self, Serving};
 
 /// How a broker behaves; the defaults are the command line's.
@@ -44,6 +44,27 @@ pub struct Config {
 /// The default `--max-watches`: each watch holds a connection to the API server, and a cluster
 /// of 10,000 sidecars rarely needs as many distinct resources.
 pub const DEFAULT_MAX_WATCHES: usize = 10_000;
+
+/// Every gRPC method a broker serves: the only methods its metrics name (any other path counts
+/// as `other`, so that clients cannot add series to `/metrics`).
+pub const METHODS: &[GrpcMethod] = &[
+    GrpcMethod::new("/crdbroker.v1.Broker/Subscribe", "server_stream"),
+    GrpcMethod::new("/flagd.sync.v1.FlagSyncService/SyncFlags", "server_stream"),
+    GrpcMethod::new("/flagd.sync.v1.FlagSyncService/FetchAllFlags", "unary"),
+    GrpcMethod::new("/flagd.sync.v1.FlagSyncService/GetMetadata", "unary"),
+    GrpcMethod::new("/sync.v1.FlagSyncService/SyncFlags", "server_stream"),
+    GrpcMethod::new("/sync.v1.FlagSyncService/FetchAllFlags", "unary"),
+    GrpcMethod::new("/grpc.health.v1.Health/Check", "unary"),
+    GrpcMethod::new("/grpc.health.v1.Health/Watch", "server_stream"),
+    GrpcMethod::new(
+        "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+        "bidi_stream",
+    ),
+    GrpcMethod::new(
+        "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+        "bidi_stream",
+    ),
+];
 
 impl Default for Config {
     fn default() -> Self {
@@ -118,7 +139,13 @@ impl<S: Source> Running<S> {
         } = listeners;
         let admin_addr = admin.as_ref().map(TcpListener::local_addr).transpose()?;
         let shutdown = CancellationToken::new();
-        let metrics = Arc::new(Metrics::new(&source.kinds(), source.api_requests()));
+        let kinds = source.kinds();
+        let known = Known {
+            kinds: &kinds,
+            methods: METHODS,
+            error_reasons: &SourceError::REASONS,
+        };
+        let metrics = Arc::new(Metrics::new(known, source.api_requests()));
         let access = Access::new(config.access, metrics.clone())?;
         let registry = Registry::with_metrics(
             source,

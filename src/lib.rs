@@ -15,8 +15,9 @@
 //!   certificate, mesh headers), the namespace policy, per-caller limits. Its per-connection
 //!   layer puts the caller into each request's extensions; the services ask it to admit requests.
 //! - [`transport`] — the HTTP/2 server: listeners, TLS, per-connection drain and maximum age,
-//!   keepalive, the request size limit. It knows no service: it makes each connection's service
-//!   through a function it is given, and hands every request its [`conn::Peer`] and
+//!   keepalive, the request size limit, the gRPC server metrics. It knows no service: it makes
+//!   each connection's service through a function it is given (and labels calls by the method
+//!   table the broker gave telemetry), and hands every request its [`conn::Peer`] and
 //!   [`conn::ConnDrain`] (a leaf module both sides read) through the request's extensions.
 //! - [`registry`] — the heart: one entry per resource, created by its first subscriber and
 //!   removed a `--linger` after the last leaves; each entry's task drives a [`source`] watch
@@ -24,8 +25,14 @@
 //!   is the reference count. It knows no gRPC and no callers.
 //! - [`source`] — the [`source::Source`] trait the registry is generic over, implemented by the
 //!   Kubernetes API (kube-rs `watch_object`) and a directory of manifests.
+//! - [`selector`] — selectors and the set syntax, parsed, displayed and validated in one place
+//!   (for the command line and the services alike); [`labels`] parses label selectors.
 //! - [`cache`] — a bounded single-flight cache, for discovery, pod lookups and token reviews.
-//! - [`telemetry`] — metric families, logs and traces; every layer records into it.
+//! - [`telemetry`] — metric families (each defined and registered in its layer's file: watches,
+//!   subscriptions, the gRPC server, access, Kubernetes API requests, the process), logs and
+//!   traces. Every layer records into it and it imports none of them: what it needs to know at
+//!   start (the kinds served, the methods the broker serves, the source's error reasons) is
+//!   handed in by the [`broker`] that assembles the layers.
 
 #![warn(clippy::unwrap_used)]
 
@@ -36,7 +43,6 @@ pub mod cli;
 pub mod conn;
 pub mod grpc;
 pub mod labels;
-pub mod logs;
 pub mod ops;
 pub mod registry;
 pub mod selector;

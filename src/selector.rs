@@ -7,6 +7,11 @@
 //! namespace is left out: `<resource>.<group>/<name>`. The resource may be the plural, the
 //! singular, a short name or the kind; resolution against the source (discovery) turns it into
 //! the canonical form, with the plural and the version filled in.
+//!
+//! A [`Target`] is what a client writes to follow something: a selector, or a set — a kind's
+//! objects in a namespace that a label selector selects,
+//! `<resource>[.<version>].<group>/<namespace>?labelSelector=<URL-encoded selector>`. The label
+//! selector itself is parsed by the `labels` module.
 
 use std::fmt;
 use std::str::FromStr;
@@ -264,6 +269,84 @@ impl fmt::Display for Selector {
     }
 }
 
+/// The namespace of a set that spans every namespace, as requests and selectors write it.
+pub const ALL_NAMESPACES: &str = "*";
+
+/// What a client asks to follow, written as text: one resource (a [`Selector`]), or a set
+/// (`featureflags.core.openfeature.dev/<ns>?labelSelector=app%3Dcheckout`, [`ALL_NAMESPACES`]
+/// for every namespace). `crd-broker subscribe` and the flagd set selector both take it.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Target {
+    /// One resource.
+    One(Selector),
+    /// A kind's objects in a namespace (none for a cluster-scoped kind) that a label selector
+    /// selects.
+    Set {
+        /// The kind.
+        kind: KindRef,
+        /// The namespace.
+        namespace: Option<String>,
+        /// The label selector, decoded but not parsed (the broker checks it).
+        labels: String,
+    },
+}
+
+impl FromStr for Target {
+    type Err = String;
+
+    fn from_str(input: &str) -> Result<Self, String> {
+        let Some((path, query)) = input.split_once('?') else {
+            return input.parse().map(Target::One).map_err(|e| e.to_string());
+        };
+        let labels = match query.split_once('=') {
+            Some(("labelSelector", value)) => percent_decoded(value)?,
+            _ => {
+                return Err(format!(
+                    "{}: a set is written KIND/NAMESPACE?labelSelector=SELECTOR (URL-encoded)",
+                    quote(input)
+                ));
+            }
+        };
+        let (kind, namespace) = match path.split_once('/') {
+            Some((kind, ns)) => (kind, Some(ns)),
+            None => (path, None),
+        };
+        let kind = KindRef::parse_in(kind, input).map_err(|e| e.to_string())?;
+        // The namespace is checked as a selector's would be; `*` is every namespace.
+        let checked = namespace.filter(|ns| *ns != ALL_NAMESPACES);
+        Selector::new(kind.clone(), checked, "set", input).map_err(|e| e.to_string())?;
+        Ok(Target::Set {
+            kind,
+            namespace: namespace.map(str::to_string),
+            labels,
+        })
+    }
+}
+
+/// `%XX` escapes (and `+` for a space) decoded.
+fn percent_decoded(text: &str) -> Result<String, String> {
+    let mut out = Vec::with_capacity(text.len());
+    let mut bytes = text.bytes();
+    while let Some(b) = bytes.next() {
+        match b {
+            b'%' => {
+                let hex: Vec<u8> = bytes.by_ref().take(2).collect();
+                let value = std::str::from_utf8(&hex)
+                    .ok()
+                    .filter(|h| h.len() == 2)
+                    .and_then(|h| u8::from_str_radix(h, 16).ok())
+                    .ok_or_else(|| {
+                        format!("{}: a '%' must be followed by two hex digits", quote(text))
+                    })?;
+                out.push(value);
+            }
+            b'+' => out.push(b' '),
+            b => out.push(b),
+        }
+    }
+    String::from_utf8(out).map_err(|_| format!("{} does not decode to UTF-8", quote(text)))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -390,6 +473,45 @@ mod tests {
             if let Ok(s) = text.parse::<Selector>() {
                 prop_assert_eq!(s.to_string().parse::<Selector>().unwrap(), s);
             }
+        }
+    }
+
+    #[test]
+    fn targets_are_resources_or_sets_with_an_encoded_label_selector() {
+        let one: Target = "featureflags.core.openfeature.dev/default/demo"
+            .parse()
+            .unwrap();
+        assert!(matches!(one, Target::One(_)));
+        let set: Target =
+            "ff.v1beta1.core.openfeature.dev/default?labelSelector=app%3Dcheckout%2Ctier+in+(web)"
+                .parse()
+                .unwrap();
+        let Target::Set {
+            kind,
+            namespace,
+            labels,
+        } = set
+        else {
+            panic!("a set: {set:?}");
+        };
+        assert_eq!(kind.to_string(), "ff.v1beta1.core.openfeature.dev");
+        assert_eq!(namespace.as_deref(), Some("default"));
+        assert_eq!(labels, "app=checkout,tier in (web)");
+        let all: Target = "ff.core.openfeature.dev/*?labelSelector=a".parse().unwrap();
+        assert!(matches!(all, Target::Set { namespace: Some(ns), .. } if ns == ALL_NAMESPACES));
+        for (bad, needle) in [
+            ("ff.core.openfeature.dev/default?app=x", "labelSelector="),
+            (
+                "ff.core.openfeature.dev/default?labelSelector=a%3",
+                "two hex digits",
+            ),
+            (
+                "ff.core.openfeature.dev/Bad_NS?labelSelector=a",
+                "namespace",
+            ),
+        ] {
+            let e = bad.parse::<Target>().unwrap_err();
+            assert!(e.contains(needle), "{bad}: {e}");
         }
     }
 }

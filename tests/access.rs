@@ -637,7 +637,7 @@ async fn a_set_across_every_namespace_needs_a_grant_that_reads_every_namespace()
     let (_dir, access) = with_policy("peer-pod", policy);
     let broker = broker_with_access(&fake, access).await;
     let every = || {
-        let target: crd_broker::cli::subscribe::Target =
+        let target: crd_broker::selector::Target =
             "featureflags.core.openfeature.dev/*?labelSelector="
                 .parse()
                 .unwrap();

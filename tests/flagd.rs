@@ -553,7 +553,12 @@ async fn a_set_selector_serves_the_merged_flags_of_its_feature_flags_in_name_ord
         "a's y: the first in name order"
     );
     assert_eq!(
-        h.broker.registry.metrics().flag_conflicts.get(),
+        h.broker
+            .registry
+            .metrics()
+            .subscriptions
+            .flag_conflicts
+            .get(),
         1,
         "one conflict counted"
     );

@@ -301,7 +301,7 @@ async fn a_set_of_manifests_follows_the_files_by_their_labels() {
     write(dir.path(), "b.yaml", &labelled("b", "cart", "a"));
     let broker = broker(dir.path()).await;
     let mut client = connect(broker.addr).await;
-    let target: crd_broker::cli::subscribe::Target =
+    let target: crd_broker::selector::Target =
         "featureflags.core.openfeature.dev/default?labelSelector=app%3Dcheckout"
             .parse()
             .unwrap();
@@ -325,7 +325,7 @@ async fn a_set_of_manifests_follows_the_files_by_their_labels() {
     let other =
         labelled("b", "checkout", "d").replace("  name: b\n", "  name: b\n  namespace: other\n");
     write(dir.path(), "other.yaml", &other);
-    let every: crd_broker::cli::subscribe::Target =
+    let every: crd_broker::selector::Target =
         "featureflags.core.openfeature.dev/*?labelSelector=app%3Dcheckout"
             .parse()
             .unwrap();
@@ -340,7 +340,7 @@ async fn a_set_of_manifests_follows_the_files_by_their_labels() {
 /// The SNAPSHOTs of `target` once it has `members` of them.
 async fn eventually_subscribed(
     client: &mut crd_broker::pb::broker_client::BrokerClient<tonic::transport::Channel>,
-    target: crd_broker::cli::subscribe::Target,
+    target: crd_broker::selector::Target,
     members: usize,
 ) -> Vec<crd_broker::pb::SubscribeResponse> {
     let deadline = tokio::time::Instant::now() + WAIT;

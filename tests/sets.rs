@@ -6,9 +6,10 @@ mod support;
 
 use std::time::Duration;
 
-use crd_broker::cli::subscribe::{Target, request_for};
+use crd_broker::cli::subscribe::request_for;
 use crd_broker::pb;
 use crd_broker::pb::subscribe_response::Event;
+use crd_broker::selector::Target;
 use serde_json::json;
 use support::*;
 use tonic::Code;

@@ -5,12 +5,10 @@
 
 mod bare;
 mod clients;
-mod coldstart;
-mod connections;
-mod failover;
-mod granularity;
+mod fixtures;
 mod plan;
 mod report;
+mod runner;
 mod scenarios;
 mod soak;
 mod stats;
@@ -161,7 +159,7 @@ fn main() -> anyhow::Result<()> {
             } else {
                 cli.run
             };
-            runtime.block_on(scenarios::run_all(run))
+            runtime.block_on(runner::run_all(run))
         }
     }
 }

@@ -1,18 +1,22 @@
 //! The results: a JSON file, a markdown summary and a PNG of the delivery-latency distributions.
 
 use std::collections::BTreeMap;
-use std::net::SocketAddr;
 use std::path::Path;
 
 use anyhow::Context;
 use serde::Serialize;
 
 use crate::Run;
-use crate::coldstart::ColdStart;
-use crate::connections::Connections;
-use crate::failover::Failover;
-use crate::granularity::Granularity;
-use crate::scenarios::{Churn, Fanout, Identity, Idle, Stalled, Storm};
+use crate::scenarios::churn::Churn;
+use crate::scenarios::coldstart::ColdStart;
+use crate::scenarios::connections::Connections;
+use crate::scenarios::failover::Failover;
+use crate::scenarios::fanout::{Fanout, FanoutRun};
+use crate::scenarios::granularity::Granularity;
+use crate::scenarios::identity::Identity;
+use crate::scenarios::idle::Idle;
+use crate::scenarios::stalled::Stalled;
+use crate::scenarios::storm::Storm;
 
 /// The machine the run was on.
 #[derive(Debug, Clone, Serialize)]
@@ -463,7 +467,7 @@ pub fn markdown(r: &Results) -> String {
 fn identity_section(i: &Identity, ratios: &Ratios) -> String {
     let lat = |x: &crate::stats::Summary| format!("{} / {} / {} ms", x.p50_ms, x.p99_ms, x.max_ms);
     let x = |v: Option<f64>| v.map(|v| format!("{v:.2}×")).unwrap_or_else(|| "—".into());
-    let new_conn = |f: &crate::scenarios::FanoutRun| {
+    let new_conn = |f: &FanoutRun| {
         f.first_new_connection
             .as_ref()
             .map(lat)
@@ -649,25 +653,4 @@ fn plot(path: &Path, r: &Results) -> anyhow::Result<()> {
     }
     root.present()?;
     Ok(())
-}
-
-/// The broker's metrics, as `name{labels}` → value.
-pub async fn scrape(admin: SocketAddr) -> BTreeMap<String, f64> {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let Ok(mut stream) = tokio::net::TcpStream::connect(admin).await else {
-        return BTreeMap::new();
-    };
-    let request = format!("GET /metrics HTTP/1.1\r\nHost: {admin}\r\nConnection: close\r\n\r\n");
-    if stream.write_all(request.as_bytes()).await.is_err() {
-        return BTreeMap::new();
-    }
-    let mut text = String::new();
-    let _ = stream.read_to_string(&mut text).await;
-    text.lines()
-        .filter(|l| !l.starts_with('#'))
-        .filter_map(|l| {
-            let (k, v) = l.rsplit_once(' ')?;
-            Some((k.to_string(), v.parse().ok()?))
-        })
-        .collect()
 }

@@ -22,8 +22,7 @@ use serde_json::json;
 use tonic::transport::Channel;
 
 use crate::clients;
-use crate::report::scrape;
-use crate::scenarios::{CRD, GV, fake, flag, name};
+use crate::fixtures::{CRD, GV, fake, flag, name, scrape};
 use crate::stats::{self, Histogram, Summary};
 use crate::target::{self, Target};
 

@@ -277,6 +277,7 @@ impl Access {
                         Err(_) => ReloadResult::Refused,
                     };
                     metrics
+                        .access
                         .policy_reloads
                         .get_or_create(&ReloadLabels { result })
                         .inc();
@@ -415,6 +416,7 @@ impl Access {
 
     fn count_identification(&self, source: IdentifiedBy, result: IdentifyResult) {
         self.metrics
+            .access
             .identifications
             .get_or_create(&IdentifyLabels { source, result })
             .inc();
@@ -560,6 +562,7 @@ impl Access {
             (r, Some(_)) => r,
         };
         self.metrics
+            .access
             .denials
             .get_or_create(&DenialLabels { reason })
             .inc();
@@ -618,6 +621,7 @@ impl Access {
     /// Counts a request refused by `limit`.
     pub fn count_limit(&self, limit: crate::telemetry::Limit) {
         self.metrics
+            .access
             .limit_hits
             .get_or_create(&LimitLabels { limit })
             .inc();
@@ -631,6 +635,7 @@ impl Access {
             if let Some(s) = selectors.iter().find(|s| !policy.may_read(caller, s)) {
                 let _ = reason.set(format!("{}; the policy changed", denial_message(caller, s)));
                 self.metrics
+                    .access
                     .denials
                     .get_or_create(&DenialLabels {
                         reason: Denial::Revoked,

@@ -354,7 +354,7 @@ pub struct SubscribeArgs {
     /// (e.g. featureflags.core.openfeature.dev/default?labelSelector=app%3Dcheckout; the
     /// namespace * is every namespace).
     #[arg(required = true, value_name = "SELECTOR")]
-    pub selectors: Vec<subscribe::Target>,
+    pub selectors: Vec<crate::selector::Target>,
 }
 
 impl Cli {

@@ -11,7 +11,7 @@ use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity
 use super::SubscribeArgs;
 use crate::pb;
 use crate::pb::subscribe_response::Event;
-use crate::selector::{KindRef, Selector};
+use crate::selector::{Selector, Target};
 
 /// How events are printed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -23,78 +23,6 @@ pub enum Output {
     Json,
     /// The same records as YAML documents, each after a `---` line.
     Yaml,
-}
-
-/// What `subscribe` is asked to follow: one resource, or a set
-/// (`featureflags.core.openfeature.dev/<ns>?labelSelector=app%3Dcheckout`, `*` for every
-/// namespace).
-#[derive(Debug, Clone, PartialEq)]
-pub enum Target {
-    /// One resource.
-    One(Selector),
-    /// A kind's objects in a namespace (none for a cluster-scoped kind) that a label selector
-    /// selects.
-    Set {
-        /// The kind.
-        kind: KindRef,
-        /// The namespace.
-        namespace: Option<String>,
-        /// The label selector, as given (checked by the broker).
-        labels: String,
-    },
-}
-
-impl std::str::FromStr for Target {
-    type Err = String;
-
-    fn from_str(input: &str) -> Result<Self, String> {
-        let Some((path, query)) = input.split_once('?') else {
-            return input.parse().map(Target::One).map_err(|e| e.to_string());
-        };
-        let labels = match query.split_once('=') {
-            Some(("labelSelector", value)) => percent_decoded(value)?,
-            _ => {
-                return Err(format!(
-                    "{input:?}: a set is written KIND/NAMESPACE?labelSelector=SELECTOR (URL-encoded)"
-                ));
-            }
-        };
-        let (kind, namespace) = match path.split_once('/') {
-            Some((kind, ns)) => (kind, Some(ns)),
-            None => (path, None),
-        };
-        let kind = KindRef::parse_in(kind, input).map_err(|e| e.to_string())?;
-        // The namespace is checked as a selector's would be; `*` is every namespace.
-        let checked = namespace.filter(|ns| *ns != crate::source::ALL_NAMESPACES);
-        Selector::new(kind.clone(), checked, "set", input).map_err(|e| e.to_string())?;
-        Ok(Target::Set {
-            kind,
-            namespace: namespace.map(str::to_string),
-            labels,
-        })
-    }
-}
-
-/// `%XX` escapes (and `+` for a space) decoded.
-fn percent_decoded(text: &str) -> Result<String, String> {
-    let mut out = Vec::with_capacity(text.len());
-    let mut bytes = text.bytes();
-    while let Some(b) = bytes.next() {
-        match b {
-            b'%' => {
-                let hex: Vec<u8> = bytes.by_ref().take(2).collect();
-                let value = std::str::from_utf8(&hex)
-                    .ok()
-                    .filter(|h| h.len() == 2)
-                    .and_then(|h| u8::from_str_radix(h, 16).ok())
-                    .ok_or_else(|| format!("{text:?}: a '%' must be followed by two hex digits"))?;
-                out.push(value);
-            }
-            b'+' => out.push(b' '),
-            b => out.push(b),
-        }
-    }
-    String::from_utf8(out).map_err(|_| format!("{text:?} does not decode to UTF-8"))
 }
 
 fn reference(s: &Selector) -> pb::ResourceRef {
@@ -313,11 +241,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn targets_are_resources_or_sets_with_an_encoded_label_selector() {
-        let one: Target = "featureflags.core.openfeature.dev/default/demo"
-            .parse()
-            .unwrap();
-        assert!(matches!(one, Target::One(_)));
+    fn a_set_is_asked_for_with_no_name_and_its_label_selector_decoded() {
         let set: Target =
             "ff.v1beta1.core.openfeature.dev/default?labelSelector=app%3Dcheckout%2Ctier+in+(web)"
                 .parse()
@@ -334,19 +258,5 @@ mod tests {
             ("ff", "v1beta1", "default", "")
         );
         assert_eq!(r.label_selector, "app=checkout,tier in (web)");
-        for (bad, needle) in [
-            ("ff.core.openfeature.dev/default?app=x", "labelSelector="),
-            (
-                "ff.core.openfeature.dev/default?labelSelector=a%3",
-                "two hex digits",
-            ),
-            (
-                "ff.core.openfeature.dev/Bad_NS?labelSelector=a",
-                "namespace",
-            ),
-        ] {
-            let e = bad.parse::<Target>().unwrap_err();
-            assert!(e.contains(needle), "{bad}: {e}");
-        }
     }
 }

@@ -156,7 +156,7 @@ fn merged(
     let config = members.merged.get_or_init(|| {
         let (config, conflicts) = merged_configuration(members.objects.values());
         if !conflicts.is_empty() {
-            metrics.flag_conflicts.inc_by(conflicts.len() as u64);
+            metrics.subscriptions.flag_conflicts.inc_by(conflicts.len() as u64);
             tracing::warn!(%set, keys = ?conflicts, "flags defined by more than one FeatureFlag of a set; the first in name order is kept");
         }
         config
@@ -206,13 +206,13 @@ pub fn target(metadata: &MetadataMap, body: &str) -> Result<Target, Status> {
         return one_flag(text).map(Target::One);
     };
     let invalid = |why: String| invalid_selector(text, why);
-    let parsed: crate::cli::subscribe::Target = text
+    let parsed: crate::selector::Target = text
         .strip_prefix(PREFIX)
         .map(|rest| format!("featureflags.v1beta1.{PREFIX}{rest}"))
         .ok_or_else(|| invalid("is not a set of FeatureFlags".into()))?
         .parse()
         .map_err(invalid)?;
-    let crate::cli::subscribe::Target::Set {
+    let crate::selector::Target::Set {
         namespace, labels, ..
     } = parsed
     else {
@@ -315,7 +315,7 @@ impl<S: Source> FlagdCore<S> {
         let (members, ticket) = self.subscribe_set(&caller, &set).await?;
         let (metrics, limit) = (self.registry.metrics().clone(), self.limit);
         let revoked = ticket.revoked();
-        let active = crate::telemetry::ActiveSync::new(&metrics);
+        let active = crate::telemetry::ActiveSync::new(&metrics.subscriptions);
         let ends = Box::pin(async move {
             let (_ticket, _active) = (ticket, active);
             tokio::select! {

@@ -369,9 +369,9 @@ impl Delivery {
             resource: ResourceLabels::of(selector).resource,
             protocol,
         };
-        metrics.subscribers.get_or_create(&labels).inc();
-        let sync =
-            (protocol != Protocol::Native).then(|| crate::telemetry::ActiveSync::new(&metrics));
+        metrics.subscriptions.open.get_or_create(&labels).inc();
+        let sync = (protocol != Protocol::Native)
+            .then(|| crate::telemetry::ActiveSync::new(&metrics.subscriptions));
         Delivery {
             metrics,
             labels,
@@ -391,6 +391,7 @@ impl Delivery {
                 watch: if self.cold { Watch::Cold } else { Watch::Warm },
             };
             self.metrics
+                .subscriptions
                 .first_message_seconds
                 .get_or_create(&labels)
                 .observe(self.started.elapsed().as_secs_f64());
@@ -399,6 +400,7 @@ impl Delivery {
                 resource: self.labels.resource.clone(),
             };
             self.metrics
+                .subscriptions
                 .fanout_seconds
                 .get_or_create(&labels)
                 .observe(fanout.as_secs_f64());
@@ -408,7 +410,11 @@ impl Delivery {
 
 impl Drop for Delivery {
     fn drop(&mut self) {
-        self.metrics.subscribers.get_or_create(&self.labels).dec();
+        self.metrics
+            .subscriptions
+            .open
+            .get_or_create(&self.labels)
+            .dec();
     }
 }
 

@@ -19,6 +19,9 @@ use crate::registry::{Registry, WatchStatus};
 use crate::source::Source;
 use crate::telemetry::Metrics;
 
+/// How often the liveness heartbeat ticks.
+const HEARTBEAT: Duration = Duration::from_secs(1);
+
 /// How stale the runtime heartbeat may be before `/livez` fails.
 const STALE: Duration = Duration::from_secs(10);
 
@@ -47,7 +50,7 @@ pub fn spawn<S: Source>(
     // A task that must keep running for the process to count as alive: it proves that timers
     // fire and the runtime is not starved.
     tokio::spawn(async move {
-        let mut tick = tokio::time::interval(crate::telemetry::HEARTBEAT);
+        let mut tick = tokio::time::interval(HEARTBEAT);
         loop {
             tick.tick().await;
             beat.store(started.elapsed().as_millis() as u64, Ordering::Relaxed);

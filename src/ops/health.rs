@@ -176,6 +176,7 @@ impl Readiness {
                 });
                 let state = readiness.current();
                 metrics
+                    .watch
                     .source_stale_seconds
                     .set(state.stale().as_secs_f64());
                 if changed || state.ready() != was_ready {

@@ -434,8 +434,8 @@ async fn run_watch<S: Source>(
 ) {
     tracing::debug!("watch started");
     let labels = ResourceLabels::of(&selector);
-    inner.metrics.watch_starts.get_or_create(&labels).inc();
-    inner.metrics.watches.get_or_create(&labels).inc();
+    inner.metrics.watch.starts.get_or_create(&labels).inc();
+    inner.metrics.watch.open.get_or_create(&labels).inc();
     let mut updates = inner.source.watch(&selector);
     let mut reason = StopReason::Shutdown;
     // Set while nobody is subscribed: when the linger ends.
@@ -486,12 +486,12 @@ async fn run_watch<S: Source>(
     }
     // Dropping the stream stops the watch at the source (for Kubernetes, closes the request).
     drop(updates);
-    inner.metrics.watches.get_or_create(&labels).dec();
+    inner.metrics.watch.open.get_or_create(&labels).dec();
     let stop = StopLabels {
         resource: labels.resource.clone(),
         reason,
     };
-    inner.metrics.watch_stops.get_or_create(&stop).inc();
+    inner.metrics.watch.stops.get_or_create(&stop).inc();
     tracing::debug!(?reason, "watch stopped");
 }
 
@@ -524,7 +524,11 @@ fn publish(
     let skipped = |old: &Update| {
         let missed = old.pending.load(Ordering::Acquire) as u64;
         if missed > 0 {
-            metrics.skipped_states.get_or_create(labels).inc_by(missed);
+            metrics
+                .watch
+                .skipped_states
+                .get_or_create(labels)
+                .inc_by(missed);
         }
     };
     let modified = match item {
@@ -560,7 +564,7 @@ fn publish(
                 resource: labels.resource.clone(),
                 reason: error.reason().to_string(),
             };
-            metrics.watch_errors.get_or_create(&error_labels).inc();
+            metrics.watch.errors.get_or_create(&error_labels).inc();
             tracing::warn!(%error, "source error; the source retries");
             // Only a resource nobody has seen yet is reported as failed; otherwise subscribers
             // keep the last known state while the source recovers.
@@ -580,6 +584,6 @@ fn publish(
     };
     if modified {
         stats.updates.fetch_add(1, Ordering::Relaxed);
-        metrics.updates.get_or_create(labels).inc();
+        metrics.watch.updates.get_or_create(labels).inc();
     }
 }

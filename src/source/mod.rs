@@ -112,8 +112,7 @@ pub fn not_allowed(kind: &str, allowed: &[KindRef]) -> SourceError {
     ))
 }
 
-/// The namespace of a set that spans every namespace, as requests and selectors write it.
-pub const ALL_NAMESPACES: &str = "*";
+pub use crate::selector::ALL_NAMESPACES;
 
 /// A set of objects: those of a kind in a namespace (or in every namespace, or, for a
 /// cluster-scoped kind, all of them) that a label selector selects.

@@ -314,6 +314,7 @@ impl Drop for Open {
 async fn serve_connection(io: Box<dyn Io>, peer: Peer, ctx: Arc<ConnCtx>, transport: Transport) {
     let gauge = ctx
         .metrics
+        .grpc
         .connections
         .get_or_create(&ConnectionLabels { transport })
         .clone();
@@ -395,68 +396,6 @@ struct ConnService {
     max_request_bytes: usize,
 }
 
-/// A gRPC method the broker serves.
-#[derive(Debug, Clone, Copy)]
-pub struct Method {
-    /// `/package.Service/Method`.
-    pub path: &'static str,
-    /// `unary`, `server_stream` or `bidi_stream`.
-    pub kind: &'static str,
-}
-
-impl Method {
-    /// Its labels in the gRPC server families.
-    pub fn labels(&self) -> GrpcLabels {
-        let (service, method) = self
-            .path
-            .trim_start_matches('/')
-            .split_once('/')
-            .unwrap_or(("other", "other"));
-        GrpcLabels {
-            grpc_service: service,
-            grpc_method: method,
-            grpc_type: self.kind,
-        }
-    }
-}
-
-const fn method(path: &'static str, kind: &'static str) -> Method {
-    Method { path, kind }
-}
-
-/// Every method the broker serves; any other path counts as `other`, so that clients cannot
-/// add series to `/metrics`.
-pub const METHODS: &[Method] = &[
-    method("/crdbroker.v1.Broker/Subscribe", "server_stream"),
-    method("/flagd.sync.v1.FlagSyncService/SyncFlags", "server_stream"),
-    method("/flagd.sync.v1.FlagSyncService/FetchAllFlags", "unary"),
-    method("/flagd.sync.v1.FlagSyncService/GetMetadata", "unary"),
-    method("/sync.v1.FlagSyncService/SyncFlags", "server_stream"),
-    method("/sync.v1.FlagSyncService/FetchAllFlags", "unary"),
-    method("/grpc.health.v1.Health/Check", "unary"),
-    method("/grpc.health.v1.Health/Watch", "server_stream"),
-    method(
-        "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
-        "bidi_stream",
-    ),
-    method(
-        "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
-        "bidi_stream",
-    ),
-];
-
-/// The labels of the method at `path`: one the broker serves, or `other`.
-fn method_labels(path: &str) -> GrpcLabels {
-    match METHODS.iter().find(|m| m.path == path) {
-        Some(m) => m.labels(),
-        None => GrpcLabels {
-            grpc_service: "other",
-            grpc_method: "other",
-            grpc_type: "unknown",
-        },
-    }
-}
-
 impl tower::Service<http::Request<Incoming>> for ConnService {
     type Response = http::Response<CountedBody>;
     type Error = Infallible;
@@ -473,7 +412,7 @@ impl tower::Service<http::Request<Incoming>> for ConnService {
         if let Some(info) = &self.connect_info {
             parts.extensions.insert(info.clone());
         }
-        let labels = method_labels(parts.uri.path());
+        let labels = self.metrics.grpc.labels(parts.uri.path());
         self.metrics.grpc.started.get_or_create(&labels).inc();
         let limited = LimitedBody {
             inner: body,
@@ -611,6 +550,7 @@ impl Body for LimitedBody {
                     }
                     if let Err(size) = advanced {
                         self.metrics
+                            .access
                             .limit_hits
                             .get_or_create(&LimitLabels {
                                 limit: crate::telemetry::Limit::RequestSize,
@@ -724,29 +664,6 @@ mod tests {
                 .all(|d| *d >= Duration::from_secs(90) && *d <= Duration::from_secs(110))
         );
         assert!(samples.iter().any(|d| *d != samples[0]), "not all the same");
-    }
-
-    #[test]
-    fn method_labels_are_a_closed_set() {
-        let subscribe = method_labels("/crdbroker.v1.Broker/Subscribe");
-        assert_eq!(
-            (
-                subscribe.grpc_service,
-                subscribe.grpc_method,
-                subscribe.grpc_type
-            ),
-            ("crdbroker.v1.Broker", "Subscribe", "server_stream")
-        );
-        for path in [
-            "/evil/random-path-123",
-            "/crdbroker.v1.Broker/Invented",
-            "/crdbroker.v1.Broker/Subscribe2",
-        ] {
-            assert_eq!(method_labels(path).grpc_method, "other", "{path}");
-        }
-        assert_eq!(subscribe.with_code(0).grpc_code, "OK");
-        assert_eq!(subscribe.with_code(1).grpc_code, "Canceled");
-        assert_eq!(subscribe.with_code(99).grpc_code, "Unknown");
     }
 
     fn message(len: usize) -> Vec<u8> {

@@ -12,7 +12,7 @@ use serde::Serialize;
 use serde_json::json;
 
 use crate::Run;
-use crate::scenarios::{GV, name, wait_until};
+use crate::fixtures::{GV, name, wait_until};
 use crate::target::Target;
 
 /// One run.
@@ -45,7 +45,7 @@ pub struct Granularity {
 }
 
 async fn measure(run: &Run, names: usize, objects: usize, threshold: &str) -> anyhow::Result<Row> {
-    let (fake, dir) = crate::scenarios::fake(objects, 256).await?;
+    let (fake, dir) = crate::fixtures::fake(objects, 256).await?;
     let bin = crate::target::broker_bin(run.broker_bin.clone())?;
     let target = Target::broker(
         &bin,

@@ -19,7 +19,7 @@ use tonic::transport::Channel;
 
 use crate::Run;
 use crate::clients::{self, now_nanos, tokio_util_like};
-use crate::scenarios::{GV, least_and_most, name, requests_per_cr, wait_until};
+use crate::fixtures::{GV, least_and_most, name, requests_per_cr, wait_until};
 use crate::target::Target;
 
 /// What the scenario measured.
@@ -174,7 +174,7 @@ async fn write(
 /// Runs the scenario.
 pub async fn failover(run: &Run) -> anyhow::Result<Failover> {
     const REPLICAS: usize = 3;
-    let (fake, dir) = crate::scenarios::fake(run.crs, run.payload_bytes).await?;
+    let (fake, dir) = crate::fixtures::fake(run.crs, run.payload_bytes).await?;
     let fake = Arc::new(fake);
     let bin = crate::target::broker_bin(run.broker_bin.clone())?;
     let kubeconfig = dir.path().join("kubeconfig");

@@ -1,6 +1,7 @@
-//! JSON logs with flat fields: one object per line holding the time, level, target and message,
-//! every field of the event and of the spans it happened in (the innermost wins), and the
-//! OpenTelemetry trace and span ids, so a log line and its trace find each other.
+//! Logs on stderr: human-readable lines, or JSON with flat fields — one object per line holding
+//! the time, level, target and message, every field of the event and of the spans it happened
+//! in (the innermost wins), and the OpenTelemetry trace and span ids, so a log line and its
+//! trace find each other.
 
 use std::fmt;
 
@@ -11,7 +12,36 @@ use tracing_subscriber::fmt::format::{JsonFields, Writer};
 use tracing_subscriber::fmt::{FmtContext, FormatEvent, FormattedFields};
 use tracing_subscriber::registry::LookupSpan;
 
-/// The event format.
+/// Log output formats.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogFormat {
+    /// Human-readable lines (`console`, as flagd-proxy calls it, is the same).
+    #[value(alias = "console")]
+    Plain,
+    /// One JSON object per line.
+    Json,
+}
+
+/// The layer that writes log lines in `format` to stderr (with colours on a terminal).
+pub(super) fn layer<S>(format: LogFormat) -> Box<dyn tracing_subscriber::Layer<S> + Send + Sync>
+where
+    S: Subscriber + for<'a> LookupSpan<'a>,
+{
+    use tracing_subscriber::Layer;
+    match format {
+        LogFormat::Plain => tracing_subscriber::fmt::layer()
+            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+            .with_writer(std::io::stderr)
+            .boxed(),
+        LogFormat::Json => tracing_subscriber::fmt::layer()
+            .fmt_fields(JsonFields::new())
+            .event_format(FlatJson)
+            .with_writer(std::io::stderr)
+            .boxed(),
+    }
+}
+
+/// The JSON event format.
 pub struct FlatJson;
 
 /// Fields into a JSON object; `message` is the event's message.

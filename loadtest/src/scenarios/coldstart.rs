@@ -10,7 +10,7 @@ use kube::core::{ApiResource, GroupVersionKind};
 use serde::Serialize;
 
 use crate::Run;
-use crate::scenarios::name;
+use crate::fixtures::name;
 use crate::stats::{Histogram, Summary};
 use crate::target::Target;
 
@@ -84,7 +84,7 @@ async fn subscribe(channel: tonic::transport::Channel, name: String) -> anyhow::
 /// Runs the scenario.
 pub async fn coldstart(run: &Run) -> anyhow::Result<ColdStart> {
     let total = 2 * (AT_ONCE + ALONE);
-    let (fake, dir) = crate::scenarios::fake(total, run.payload_bytes).await?;
+    let (fake, dir) = crate::fixtures::fake(total, run.payload_bytes).await?;
     let bin = crate::target::broker_bin(run.broker_bin.clone())?;
     let target = Target::broker(
         &bin,

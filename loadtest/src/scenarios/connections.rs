@@ -12,7 +12,7 @@ use crd_broker::pb::broker_client::BrokerClient;
 use serde::Serialize;
 
 use crate::Run;
-use crate::scenarios::{name, wait_until};
+use crate::fixtures::{name, wait_until};
 use crate::target::Target;
 
 /// One count.
@@ -80,7 +80,7 @@ fn connections_of(pid: u32, port: u16) -> usize {
 }
 
 async fn count(run: &Run, crs: usize, mode: &str) -> anyhow::Result<Row> {
-    let (fake, dir) = crate::scenarios::fake_with(crs, 256, true).await?;
+    let (fake, dir) = crate::fixtures::fake_with(crs, 256, true).await?;
     let bin = crate::target::broker_bin(run.broker_bin.clone())?;
     let target = Target::broker(
         &bin,

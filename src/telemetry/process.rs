@@ -1,11 +1,40 @@
-//! The standard process metrics (`process_cpu_seconds_total`, `process_resident_memory_bytes`,
-//! `process_open_fds`, …, as the Prometheus client libraries name them), read from `/proc` on
-//! each scrape.
+//! The process's families: the standard process metrics (`process_cpu_seconds_total`,
+//! `process_resident_memory_bytes`, `process_open_fds`, …, as the Prometheus client libraries
+//! name them), read from `/proc` on each scrape, and the tasks alive on the async runtime.
 
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
 use prometheus_client::metrics::counter::ConstCounter;
-use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::metrics::gauge::{ConstGauge, Gauge};
+use prometheus_client::registry::Registry;
+
+/// The process's families.
+#[derive(Default)]
+pub struct ProcessMetrics {
+    /// Tasks alive on the async runtime (set at each scrape): a number that grows without
+    /// bound is a leak.
+    pub runtime_tasks: Gauge,
+}
+
+impl ProcessMetrics {
+    /// Registers `crd_broker_runtime_tasks` and the `process_` collector.
+    pub(super) fn register(&self, root: &mut Registry) {
+        root.sub_registry_with_prefix("crd_broker").register(
+            "runtime_tasks",
+            "Tasks alive on the async runtime",
+            self.runtime_tasks.clone(),
+        );
+        root.register_collector(Box::new(Process));
+    }
+
+    /// Reads what is sampled at a scrape rather than kept: the runtime's tasks.
+    pub(super) fn sample(&self) {
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            self.runtime_tasks
+                .set(runtime.metrics().num_alive_tasks() as i64);
+        }
+    }
+}
 
 /// Reads `/proc/self` when scraped. Off Linux (no `/proc`), it reports nothing.
 #[derive(Debug, Default)]

@@ -1,0 +1,257 @@
+//! What the scenarios share: the fake API server with its FeatureFlags, a server under test
+//! started on it, subscribers started and waited for, and the broker's metrics scraped.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use fake_apiserver::{FakeApiServer, Options};
+use indicatif::{ProgressBar, ProgressStyle};
+use serde_json::{Value, json};
+use tonic::transport::Channel;
+
+use crate::Run;
+use crate::clients::{self, Recorder, tokio_util_like};
+use crate::target::{Kind, Target};
+
+pub(crate) const CRD: &str = include_str!("../../examples/manifests/featureflag-crd.yaml");
+
+pub(crate) const GV: &str = "core.openfeature.dev/v1beta1";
+
+pub(crate) fn name(k: usize) -> String {
+    format!("ff-{k}")
+}
+
+pub(crate) fn bar(len: u64, message: &str) -> ProgressBar {
+    let bar = ProgressBar::new(len);
+    bar.set_style(
+        ProgressStyle::with_template("{msg:40} [{bar:30}] {pos}/{len} {elapsed}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar())
+            .progress_chars("=> "),
+    );
+    bar.set_message(message.to_string());
+    bar
+}
+
+/// A fake API server holding `crs` FeatureFlags of about `payload` bytes, and a kubeconfig.
+pub(crate) async fn fake(
+    crs: usize,
+    payload: usize,
+) -> anyhow::Result<(FakeApiServer, tempfile_like::Dir)> {
+    fake_with(crs, payload, false).await
+}
+
+/// As [`fake`], over TLS (HTTP/2 and HTTP/1.1 by ALPN, 100 streams per connection) if `tls`.
+pub(crate) async fn fake_with(
+    crs: usize,
+    payload: usize,
+    tls: bool,
+) -> anyhow::Result<(FakeApiServer, tempfile_like::Dir)> {
+    let options = Options {
+        history_limit: 100_000,
+        tls,
+        ..Options::default()
+    }
+    .crd_yaml(CRD)?;
+    let fake = FakeApiServer::start_with(options).await?;
+    for k in 0..crs {
+        fake.apply(flag(&name(k), payload))?;
+    }
+    let dir = tempfile_like::Dir::new()?;
+    fake.write_kubeconfig(&dir.path().join("kubeconfig"))?;
+    Ok((fake, dir))
+}
+
+/// The fake API server with `crs` FeatureFlags and the server under test: the broker watching
+/// it (through a kubeconfig in the returned directory, with `linger`), or the bare server fed
+/// every FeatureFlag.
+pub(crate) async fn serve(
+    run: &Run,
+    kind: Kind,
+    crs: usize,
+    linger: Duration,
+    args: &[&str],
+) -> anyhow::Result<(FakeApiServer, tempfile_like::Dir, Target)> {
+    let (fake, dir) = fake(crs, run.payload_bytes).await?;
+    // The loopback addresses connections come from are pods, for `--identity peer-pod`.
+    for i in 1..=run.sources.max(1) {
+        run_pod(&fake, &format!("sidecar-{i}"), &format!("127.0.0.{i}"))?;
+    }
+    let target = match kind {
+        Kind::Broker => {
+            let bin = crate::target::broker_bin(run.broker_bin.clone())?;
+            Target::broker(&bin, &dir.path().join("kubeconfig"), linger, args).await?
+        }
+        Kind::Bare => {
+            let mut t = Target::bare().await?;
+            for k in 0..crs {
+                let obj = fake.get(GV, "featureflags", "default", &name(k))?;
+                t.feed(&name(k), &obj.to_string()).await?;
+            }
+            t
+        }
+    };
+    Ok((fake, dir, target))
+}
+
+/// A Running pod `name` in `default` with `ip`, as a kubelet reports it.
+pub(crate) fn run_pod(fake: &FakeApiServer, name: &str, ip: &str) -> anyhow::Result<()> {
+    fake.apply(json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": { "name": name, "namespace": "default" },
+        "spec": { "serviceAccountName": "sidecar", "containers": [{ "name": "app", "image": "app" }] },
+    }))?;
+    fake.merge_patch_status(
+        "v1",
+        "pods",
+        "default",
+        name,
+        json!({ "status": { "phase": "Running", "podIP": ip } }),
+    )?;
+    Ok(())
+}
+
+pub(crate) fn flag(name: &str, payload: usize) -> Value {
+    let mut f = json!({
+        "apiVersion": GV,
+        "kind": "FeatureFlag",
+        "metadata": { "name": name, "namespace": "default" },
+        "spec": { "flagSpec": {
+            "metadata": { "seq": 0, "sentAt": 0, "padding": "" },
+            "flags": { "f": { "state": "ENABLED", "variants": { "on": true, "off": false }, "defaultVariant": "on" } },
+        } },
+    });
+    let size = f.to_string().len() + 200; // the server adds its metadata
+    f["spec"]["flagSpec"]["metadata"]["padding"] = json!("x".repeat(payload.saturating_sub(size)));
+    f
+}
+
+/// Directories that clean up after themselves (no extra dependency).
+pub(crate) mod tempfile_like {
+    use std::path::{Path, PathBuf};
+
+    pub struct Dir(PathBuf);
+
+    impl Dir {
+        pub fn new() -> std::io::Result<Dir> {
+            let path = std::env::temp_dir().join(format!(
+                "crd-broker-loadtest-{}-{}",
+                std::process::id(),
+                crate::clients::now_nanos()
+            ));
+            std::fs::create_dir_all(&path)?;
+            Ok(Dir(path))
+        }
+
+        pub fn path(&self) -> &Path {
+            &self.0
+        }
+    }
+
+    impl Drop for Dir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+}
+
+pub(crate) async fn start_subscribers(
+    channels: &[Channel],
+    names: &[String],
+    range: std::ops::Range<usize>,
+    cold: bool,
+    recorder: &Arc<Recorder>,
+    stop: &tokio_util_like::Stop,
+) {
+    for i in range {
+        let channel = channels[i % channels.len()].clone();
+        tokio::spawn(clients::subscribe(
+            channel,
+            names[i].clone(),
+            i,
+            cold,
+            recorder.clone(),
+            stop.clone(),
+        ));
+    }
+}
+
+pub(crate) async fn wait_until(
+    what: &str,
+    timeout: Duration,
+    mut done: impl FnMut() -> bool,
+) -> anyhow::Result<()> {
+    let deadline = Instant::now() + timeout;
+    while !done() {
+        anyhow::ensure!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    Ok(())
+}
+
+pub(crate) fn firsts(r: &Recorder) -> u64 {
+    r.first_cold.count() + r.first_warm.count()
+}
+
+/// The requests of `verb` the API server saw for each of the first `crs` CRs, by the field
+/// selector that names it.
+pub(crate) fn requests_per_cr(fake: &FakeApiServer, crs: usize, verb: &str) -> Vec<usize> {
+    let requests = fake.requests();
+    (0..crs)
+        .map(|k| {
+            let selector = format!("metadata.name={}", name(k));
+            requests
+                .iter()
+                .filter(|r| r.verb == verb && r.param("fieldSelector") == Some(selector.as_str()))
+                .count()
+        })
+        .collect()
+}
+
+/// The least and the most of `counts`.
+pub(crate) fn least_and_most(counts: &[usize]) -> (usize, usize) {
+    (
+        counts.iter().copied().min().unwrap_or(0),
+        counts.iter().copied().max().unwrap_or(0),
+    )
+}
+
+/// One subscriber on each of the `crs` resources, on one connection from 127.0.0.1, until the
+/// returned trigger is stopped: every watch open.
+pub(crate) async fn warm_every_watch(
+    target: &Target,
+    crs: usize,
+) -> anyhow::Result<tokio_util_like::Trigger> {
+    let warm = clients::connections(target.grpc, 1, 1).await?;
+    let recorder = Recorder::new(crs, 0);
+    let (trigger, stop) = tokio_util_like::signal();
+    let names: Vec<String> = (0..crs).map(name).collect();
+    start_subscribers(&warm, &names, 0..crs, true, &recorder, &stop).await;
+    wait_until("the warm-up", Duration::from_secs(60), || {
+        firsts(&recorder) as usize >= crs
+    })
+    .await?;
+    Ok(trigger)
+}
+
+/// The broker's metrics, as `name{labels}` → value.
+pub(crate) async fn scrape(admin: SocketAddr) -> BTreeMap<String, f64> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let Ok(mut stream) = tokio::net::TcpStream::connect(admin).await else {
+        return BTreeMap::new();
+    };
+    let request = format!("GET /metrics HTTP/1.1\r\nHost: {admin}\r\nConnection: close\r\n\r\n");
+    if stream.write_all(request.as_bytes()).await.is_err() {
+        return BTreeMap::new();
+    }
+    let mut text = String::new();
+    let _ = stream.read_to_string(&mut text).await;
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| {
+            let (k, v) = l.rsplit_once(' ')?;
+            Some((k.to_string(), v.parse().ok()?))
+        })
+        .collect()
+}

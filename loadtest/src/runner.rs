@@ -1,0 +1,98 @@
+//! Runs every scenario asked for, then writes the reports.
+
+use anyhow::Context;
+
+use crate::scenarios::{
+    churn, coldstart, connections, failover, fanout, granularity, identity, idle, stalled, storm,
+};
+use crate::{Run, report, stats};
+
+/// Every scenario asked for, then the reports.
+pub async fn run_all(run: Run) -> anyhow::Result<()> {
+    let fds = stats::raise_fd_limit();
+    crate::target::broker_bin(run.broker_bin.clone())?;
+    let sockets = match run.wants("idle") || run.wants("identity") {
+        true => run.sidecars.max(run.connections),
+        false => run.connections,
+    } as u64;
+    // Every connection is an open file here and in the server; the broker's watches (one per
+    // CR) and the rest need some more.
+    let needed = sockets + run.crs as u64 + 100;
+    anyhow::ensure!(
+        needed <= fds,
+        "{sockets} connections need about {} open files in this process and in the server, but \
+         the open-file limit is {fds} and cannot be raised further (it is the hard limit: raise \
+         it as root with CAP_SYS_RESOURCE, e.g. `ulimit -Hn 1048576`)",
+        needed
+    );
+    let mut results = report::Results::new(&run, fds);
+    if run.wants("fanout") {
+        results.fanout = Some(
+            fanout::fanout(&run, run.crs, true)
+                .await
+                .context("the fan-out scenario")?,
+        );
+    }
+    if run.wants("hot") {
+        results.hot = Some(
+            fanout::fanout(&run, 1, false)
+                .await
+                .context("the hot-CR scenario")?,
+        );
+    }
+    if run.wants("storm") {
+        results.storm = Some(storm::storm(&run).await.context("the storm scenario")?);
+    }
+    if run.wants("churn") {
+        results.churn = Some(churn::churn(&run).await.context("the churn scenario")?);
+    }
+    if run.wants("idle") {
+        results.idle = Some(idle::idle(&run).await.context("the idle scenario")?);
+    }
+    if run.wants("identity") {
+        results.identity = Some(
+            identity::identity(&run)
+                .await
+                .context("the identity scenario")?,
+        );
+    }
+    if run.wants("failover") {
+        results.failover = Some(
+            failover::failover(&run)
+                .await
+                .context("the failover scenario")?,
+        );
+    }
+    if run.wants("coldstart") {
+        results.coldstart = Some(
+            coldstart::coldstart(&run)
+                .await
+                .context("the cold-start scenario")?,
+        );
+    }
+    if run.wants("granularity") {
+        results.granularity = Some(
+            granularity::granularity(&run)
+                .await
+                .context("the granularity scenario")?,
+        );
+    }
+    if run.wants("connections") {
+        results.connections = Some(
+            connections::connections(&run)
+                .await
+                .context("the API-connections scenario")?,
+        );
+    }
+    if run.wants("stalled") {
+        results.stalled = Some(
+            stalled::stalled(&run)
+                .await
+                .context("the stalled-readers scenario")?,
+        );
+    }
+    results.compute_ratios();
+    let summary = report::write(&run.out, &results)?;
+    println!("{summary}");
+    Ok(())
+}
