@@ -40,8 +40,14 @@ fn streaming(name: &str, route: &str, input: &str, output: &str) -> Method {
 /// has no `.git`), else git's, else `unknown`.
 fn commit() -> String {
     println!("cargo:rerun-if-env-changed=CRD_BROKER_COMMIT");
-    println!("cargo:rerun-if-changed=.git/HEAD");
-    println!("cargo:rerun-if-changed=.git/refs/heads");
+    // Only paths that exist: cargo reruns a build script whose watched path is missing on
+    // every build, and a source tree without `.git` (an archive, a copy) would rebuild the
+    // crate each time.
+    for path in [".git/HEAD", ".git/refs/heads"] {
+        if std::path::Path::new(path).exists() {
+            println!("cargo:rerun-if-changed={path}");
+        }
+    }
     if let Ok(commit) = std::env::var("CRD_BROKER_COMMIT") {
         return commit;
     }

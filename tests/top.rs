@@ -15,7 +15,12 @@ use support::*;
 
 /// The screen as text, one line per row.
 fn screen(app: &App) -> String {
-    let mut terminal = Terminal::new(TestBackend::new(150, 30)).unwrap();
+    screen_of(app, 150, 30)
+}
+
+/// The screen of a `width` × `height` terminal as text, one line per row.
+fn screen_of(app: &App, width: u16, height: u16) -> String {
+    let mut terminal = Terminal::new(TestBackend::new(width, height)).unwrap();
     terminal.draw(|frame| draw(app, frame)).unwrap();
     let buffer = terminal.backend().buffer();
     let width = buffer.area.width as usize;
@@ -102,6 +107,41 @@ async fn top_shows_each_watch_its_rate_and_the_callers_and_sorts_by_any_column()
     assert!(screen(&gone).contains("cannot read the broker"));
 }
 
+#[tokio::test]
+async fn top_names_a_resource_whole_at_80_and_120_columns() {
+    // 63 characters: the longest DNS label, and a name that kubectl's group and version
+    // prefix used to push off a 120-column screen.
+    let long = "checkout-flags-for-the-european-storefronts-and-the-mobile-apps";
+    assert_eq!(long.len(), 63);
+    let fake = fake().await;
+    for name in [long, "checkout-flags"] {
+        fake.apply(flag(name, "on")).unwrap();
+    }
+    let broker = broker_with_access(&fake, Default::default()).await;
+    let admin = format!("http://{}", broker.admin_addr.unwrap());
+    let mut client = connect(broker.addr).await;
+    let mut streams = Vec::new();
+    for name in [long, "checkout-flags"] {
+        let mut s = subscribe(&mut client, &[&demo(name)]).await;
+        next(&mut s).await;
+        streams.push(s);
+    }
+    let mut app = App::new(&admin, Column::Subscribers);
+    app.update(fetch(&admin).await.unwrap(), Instant::now());
+    let wide = screen_of(&app, 120, 40);
+    for shown in [
+        format!("featureflags/default/{long}"),
+        "featureflags/default/checkout-flags".to_string(),
+    ] {
+        assert!(wide.contains(&shown), "{shown} at 120 columns:\n{wide}");
+    }
+    let narrow = screen_of(&app, 80, 40);
+    assert!(
+        narrow.contains(&format!("default/{long}")) && narrow.contains("default/checkout-flags"),
+        "at 80 columns:\n{narrow}"
+    );
+}
+
 /// A tmux session that is killed when dropped.
 struct Session(String);
 
@@ -169,7 +209,7 @@ async fn top_runs_in_a_real_terminal_and_quits_on_q() {
             "-s",
             &session.0,
             "-x",
-            "150",
+            "120",
             "-y",
             "40",
         ])
@@ -177,10 +217,9 @@ async fn top_runs_in_a_real_terminal_and_quits_on_q() {
         .status()
         .unwrap();
     assert!(status.success());
+    // At 120 columns the watch is named as kubectl names it, whole.
     eventually("top shows the watch", WAIT, async || {
-        session
-            .capture()
-            .contains("featureflags.v1beta1.core.openfeature.dev/default/demo")
+        session.capture().contains("featureflags/default/demo")
     })
     .await;
     assert!(

@@ -1,0 +1,114 @@
+//! `crd-broker top`: a live terminal view of a broker, read from its admin endpoints
+//! (`/debug/watches`, `/debug/callers`, `/metrics`). Each watch with its subscribers, update
+//! rate, last event, errors and staleness; the connections and the callers with streams open.
+//! Sorted by a column of your choice, refreshed every interval, `q` to quit.
+//!
+//! [`fetch`] reads a [`Snapshot`] from the broker, the [`App`] keeps it (with the rates from the
+//! one before) and the sort, and [`draw`] lays it out for the terminal's width.
+
+use std::time::{Duration, Instant};
+
+use ratatui::crossterm::event::{self, Event};
+
+mod app;
+mod fetch;
+mod view;
+
+pub use app::{App, Snapshot, WatchRow};
+pub use fetch::fetch;
+pub use view::draw;
+
+/// `crd-broker top`.
+#[derive(Debug, clap::Args)]
+pub struct TopArgs {
+    /// The broker's admin address: `http://host:port` or `host:port`.
+    #[arg(
+        long,
+        env = "CRD_BROKER_ADMIN",
+        default_value = "http://127.0.0.1:8016"
+    )]
+    pub admin: String,
+    /// How often the view refreshes.
+    #[arg(long, value_parser = humantime::parse_duration, default_value = "2s")]
+    pub interval: Duration,
+    /// The column to sort the watches by (`s` cycles through them, `r` reverses).
+    #[arg(long, value_enum, default_value_t = Column::Subscribers)]
+    pub sort: Column,
+}
+
+/// The watches' columns, as `--sort` and `s` choose them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Column {
+    /// The resource.
+    Resource,
+    /// Subscribers now.
+    Subscribers,
+    /// New states per second.
+    Rate,
+    /// Seconds since the last event.
+    Last,
+    /// Errors since the watch started.
+    Errors,
+    /// Seconds the watch has reported only errors.
+    Stale,
+}
+
+const COLUMNS: [Column; 6] = [
+    Column::Resource,
+    Column::Subscribers,
+    Column::Rate,
+    Column::Last,
+    Column::Errors,
+    Column::Stale,
+];
+
+impl Column {
+    fn title(self) -> &'static str {
+        match self {
+            Column::Resource => "RESOURCE",
+            Column::Subscribers => "SUBSCRIBERS",
+            Column::Rate => "UPDATES/S",
+            Column::Last => "LAST EVENT",
+            Column::Errors => "ERRORS",
+            Column::Stale => "STALE",
+        }
+    }
+
+    fn next(self) -> Column {
+        let i = COLUMNS.iter().position(|c| *c == self).unwrap_or(0);
+        COLUMNS[(i + 1) % COLUMNS.len()]
+    }
+}
+
+/// Runs the view until `q`.
+pub async fn run(args: TopArgs) -> anyhow::Result<()> {
+    fetch::authority(&args.admin)?;
+    let mut app = App::new(&args.admin, args.sort);
+    let runtime = tokio::runtime::Handle::current();
+    tokio::task::spawn_blocking(move || {
+        let mut terminal = ratatui::init();
+        let result = (|| -> anyhow::Result<()> {
+            let mut next_refresh = Instant::now();
+            loop {
+                if Instant::now() >= next_refresh {
+                    match runtime.block_on(fetch(&app.admin)) {
+                        Ok(snapshot) => app.update(snapshot, Instant::now()),
+                        Err(e) => app.error = Some(format!("{e:#}")),
+                    }
+                    next_refresh = Instant::now() + args.interval;
+                }
+                terminal.draw(|frame| draw(&app, frame))?;
+                let wait = next_refresh.saturating_duration_since(Instant::now());
+                if event::poll(wait)?
+                    && let Event::Key(key) = event::read()?
+                    && app.key(key)
+                {
+                    return Ok(());
+                }
+            }
+        })();
+        ratatui::restore();
+        result
+    })
+    .await?
+}

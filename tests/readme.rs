@@ -1,0 +1,441 @@
+//! The README as a reader types it. Its Quickstart's commands are taken from README.md itself,
+//! not from a copy, and run in a clean checkout of the repository (its tracked files, nothing
+//! built or installed): the broker on the example manifests, a subscriber that sees the
+//! README's output, an edit of `examples/manifests/demo.yaml` as the README words it and the
+//! `UPDATED` it promises, and `top` in a real terminal. The Tests section's command is the one
+//! `.ci/run` runs. A change that breaks the README fails here.
+//!
+//! The checkout builds into this workspace's `target/` (`CARGO_TARGET_DIR`), so a warm cache
+//! keeps the release build cheap; the test sets the documented `CRD_BROKER_*` variables to put
+//! the broker on free loopback ports, and nothing else.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+/// The repository.
+const ROOT: &str = env!("CARGO_MANIFEST_DIR");
+
+/// How long the first `cargo run --release` may take to build (a cold build on 2 cores takes
+/// several minutes).
+const BUILD: Duration = Duration::from_secs(40 * 60);
+
+/// The section of README.md under `## {title}`, up to the next `## `.
+fn section(readme: &str, title: &str) -> String {
+    let heading = format!("## {title}\n");
+    let start = readme
+        .find(&heading)
+        .unwrap_or_else(|| panic!("README.md has a section {heading:?}"));
+    let body = &readme[start + heading.len()..];
+    body[..body.find("\n## ").unwrap_or(body.len())].to_string()
+}
+
+/// The fenced code blocks of `text`: (info string, contents).
+fn blocks(text: &str) -> Vec<(String, String)> {
+    let mut found = Vec::new();
+    let mut open: Option<(String, String)> = None;
+    for line in text.lines() {
+        match (&mut open, line.strip_prefix("```")) {
+            (None, Some(info)) => open = Some((info.trim().to_string(), String::new())),
+            (Some(_), Some(_)) => found.extend(open.take()),
+            (Some((_, body)), None) => {
+                body.push_str(line);
+                body.push('\n');
+            }
+            (None, None) => {}
+        }
+    }
+    found
+}
+
+/// The commands of the `sh` blocks: each non-empty line that is not a comment.
+fn commands(text: &str) -> Vec<String> {
+    blocks(text)
+        .into_iter()
+        .filter(|(info, _)| info == "sh")
+        .flat_map(|(_, body)| {
+            body.lines()
+                .map(str::trim)
+                .filter(|l| !l.is_empty() && !l.starts_with('#'))
+                .map(str::to_string)
+                .collect::<Vec<_>>()
+        })
+        .collect()
+}
+
+/// The edit the Quickstart asks for, read from its words "edit `FILE` — say, change `FROM` to
+/// `TO`": the file, the text to replace and its replacement (`TO` alone is the new value of
+/// `FROM`'s key).
+fn edit(quickstart: &str) -> (String, String, String) {
+    let words = quickstart.split_whitespace().collect::<Vec<_>>().join(" ");
+    let at = words
+        .find("edit `")
+        .expect("the Quickstart says which file to edit");
+    let after = &words[at..];
+    let ticks: Vec<&str> = after.split('`').skip(1).step_by(2).take(3).collect();
+    assert!(
+        after.contains("change `") && ticks.len() == 3,
+        "the Quickstart words an edit as: edit `FILE` — say, change `FROM` to `TO`; it says: {after}"
+    );
+    let (file, from, to) = (ticks[0], ticks[1], ticks[2]);
+    let to = match (from.split_once(':'), to.contains(':')) {
+        (Some((key, _)), false) => format!("{key}: {to}"),
+        _ => to.to_string(),
+    };
+    (file.to_string(), from.to_string(), to)
+}
+
+/// Copies the repository's files as git knows them (tracked, and new files not ignored) into a
+/// fresh `to`, keeping their modification times so that the build cache sees unchanged files
+/// as unchanged. Nothing ignored comes along: no `target/`, no virtualenv, no node modules.
+fn checkout(to: &Path) {
+    let listed = Command::new("git")
+        .args([
+            "ls-files",
+            "-z",
+            "--cached",
+            "--others",
+            "--exclude-standard",
+        ])
+        .current_dir(ROOT)
+        .output()
+        .expect("git runs");
+    assert!(listed.status.success(), "git ls-files");
+    if to.exists() {
+        std::fs::remove_dir_all(to).unwrap();
+    }
+    for file in listed.stdout.split(|b| *b == 0).filter(|f| !f.is_empty()) {
+        let file = Path::new(std::str::from_utf8(file).unwrap());
+        let from = Path::new(ROOT).join(file);
+        // A file deleted but not yet staged is listed and gone: a checkout would not have it.
+        let Ok(meta) = std::fs::symlink_metadata(&from) else {
+            continue;
+        };
+        let dest = to.join(file);
+        std::fs::create_dir_all(dest.parent().unwrap()).unwrap();
+        if meta.file_type().is_symlink() {
+            std::os::unix::fs::symlink(std::fs::read_link(&from).unwrap(), &dest).unwrap();
+            continue;
+        }
+        std::fs::copy(&from, &dest).unwrap();
+        let copied = std::fs::File::options().write(true).open(&dest).unwrap();
+        copied.set_modified(meta.modified().unwrap()).unwrap();
+    }
+    // Directories too, once their files are in (cargo compares a watched directory's time,
+    // `proto/` for one), the deepest first.
+    let mut dirs = vec![to.to_path_buf()];
+    let mut at = 0;
+    while at < dirs.len() {
+        for entry in std::fs::read_dir(&dirs[at]).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() && !path.is_symlink() {
+                dirs.push(path);
+            }
+        }
+        at += 1;
+    }
+    for dir in dirs.iter().rev() {
+        let source = Path::new(ROOT).join(dir.strip_prefix(to).unwrap());
+        let modified = std::fs::metadata(&source).unwrap().modified().unwrap();
+        std::fs::File::open(dir)
+            .unwrap()
+            .set_modified(modified)
+            .unwrap();
+    }
+}
+
+/// A free loopback port.
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// `cmd` with the environment a reader's shell would give it: this process's, without what
+/// cargo sets for a test (its package, build and library-path variables, which build scripts
+/// read and which would make every build differ from the reader's), with the build cache
+/// shared and `env` set.
+fn as_reader<'a>(cmd: &'a mut Command, env: &[(&str, String)]) -> &'a mut Command {
+    for (key, _) in std::env::vars_os() {
+        let key = key.to_string_lossy().into_owned();
+        if (key.starts_with("CARGO") && key != "CARGO_HOME")
+            || key.starts_with("RUSTC")
+            || key.starts_with("CRD_BROKER_")
+            || ["OUT_DIR", "LD_LIBRARY_PATH", "RUST_LOG", "RUST_BACKTRACE"].contains(&key.as_str())
+        {
+            cmd.env_remove(key);
+        }
+    }
+    cmd.env("CARGO_TARGET_DIR", Path::new(ROOT).join("target"));
+    cmd.envs(env.iter().map(|(k, v)| (k, v)))
+}
+
+/// `command` run by `sh` in `dir` as a reader would, in a process group of its own, so that
+/// everything it starts ends with it.
+fn reader(command: &str, dir: &Path, env: &[(&str, String)]) -> Command {
+    let mut cmd = Command::new("sh");
+    cmd.arg("-c").arg(command).current_dir(dir);
+    as_reader(&mut cmd, env);
+    cmd.process_group(0);
+    cmd
+}
+
+/// A command's process group, ended when dropped.
+struct Group(Child);
+
+impl Drop for Group {
+    fn drop(&mut self) {
+        let _ = Command::new("kill")
+            .args(["-TERM", "--", &format!("-{}", self.0.id())])
+            .status();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.0.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = Command::new("kill")
+            .args(["-KILL", "--", &format!("-{}", self.0.id())])
+            .status();
+        let _ = self.0.wait();
+    }
+}
+
+/// The status code of `GET path` on `addr`, if it answers.
+fn status(addr: SocketAddr, path: &str) -> Option<u16> {
+    let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(1)).ok()?;
+    stream.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
+    write!(stream, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").ok()?;
+    let mut head = [0u8; 12];
+    stream.read_exact(&mut head).ok()?;
+    std::str::from_utf8(&head[9..12]).ok()?.parse().ok()
+}
+
+/// The lines a child prints, as they come.
+fn lines(child: &mut Child) -> mpsc::Receiver<String> {
+    let out = child.stdout.take().expect("piped");
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(out).lines().map_while(Result::ok) {
+            if tx.send(line).is_err() {
+                return;
+            }
+        }
+    });
+    rx
+}
+
+/// The next line that `matches`, within `within`.
+fn line_where(
+    rx: &mpsc::Receiver<String>,
+    within: Duration,
+    what: &str,
+    matches: impl Fn(&str) -> bool,
+) -> String {
+    let deadline = Instant::now() + within;
+    let mut seen = Vec::new();
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match rx.recv_timeout(left) {
+            Ok(line) if matches(&line) => return line,
+            Ok(line) => seen.push(line),
+            Err(_) => panic!("no {what} within {within:?}; printed: {seen:#?}"),
+        }
+    }
+}
+
+/// A tmux server of its own (so that its sessions have the environment it is started with),
+/// killed when dropped.
+struct Tmux(String);
+
+impl Tmux {
+    fn command(&self) -> Command {
+        let mut cmd = Command::new("tmux");
+        cmd.args(["-L", &self.0]);
+        cmd
+    }
+
+    fn screen(&self) -> String {
+        let out = self
+            .command()
+            .args(["capture-pane", "-p", "-t", "readme"])
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+}
+
+impl Drop for Tmux {
+    fn drop(&mut self) {
+        let _ = self
+            .command()
+            .arg("kill-server")
+            .stderr(Stdio::null())
+            .status();
+    }
+}
+
+/// Polls `done` every 100 ms until it holds or `within` passes.
+fn eventually(within: Duration, mut done: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + within;
+    while Instant::now() < deadline {
+        if done() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    done()
+}
+
+#[test]
+fn the_quickstart_runs_as_written_in_a_clean_checkout() {
+    let readme = std::fs::read_to_string(Path::new(ROOT).join("README.md")).unwrap();
+    let quickstart = section(&readme, "Quickstart");
+    let commands = commands(&quickstart);
+    let [serve, subscribe] = commands.as_slice() else {
+        panic!("the Quickstart has two commands, the broker and a subscriber: {commands:#?}");
+    };
+    let shown: Vec<String> = blocks(&quickstart)
+        .into_iter()
+        .find(|(info, body)| info.is_empty() && body.contains("SNAPSHOT"))
+        .expect("the Quickstart shows what the subscriber prints")
+        .1
+        .lines()
+        .map(|l| l.trim_end().to_string())
+        .collect();
+    let top = readme
+        .split('`')
+        .find(|quoted| quoted.ends_with(" -- top"))
+        .expect("the Quickstart names the command for top");
+
+    let dir = PathBuf::from(ROOT).join("target/readme/checkout");
+    checkout(&dir);
+    let (grpc, admin) = (free_port(), free_port());
+    let admin_addr: SocketAddr = ([127, 0, 0, 1], admin).into();
+    let env = [
+        ("CRD_BROKER_GRPC_ADDR", format!("127.0.0.1:{grpc}")),
+        ("CRD_BROKER_ADMIN_ADDR", admin_addr.to_string()),
+        ("CRD_BROKER_SERVER", format!("http://127.0.0.1:{grpc}")),
+        ("CRD_BROKER_ADMIN", format!("http://{admin_addr}")),
+    ];
+
+    // The broker, built as the README builds it.
+    let started = Instant::now();
+    let mut broker = Group(
+        reader(serve, &dir, &env)
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    while status(admin_addr, "/readyz") != Some(200) {
+        if let Ok(Some(exit)) = broker.0.try_wait() {
+            panic!("`{serve}` ended ({exit}) before the broker was ready");
+        }
+        assert!(
+            started.elapsed() < BUILD,
+            "`{serve}`: not ready after {BUILD:?}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    eprintln!(
+        "`{serve}`: ready after {:.1} s",
+        started.elapsed().as_secs_f64()
+    );
+
+    // The subscriber prints what the README shows.
+    let mut client = Group(
+        reader(subscribe, &dir, &env)
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let printed = lines(&mut client.0);
+    let header = line_where(&printed, Duration::from_secs(120), "header", |_| true);
+    assert_eq!(header.trim_end(), shown[0], "`{subscribe}`'s header");
+    let snapshot = line_where(&printed, Duration::from_secs(30), "SNAPSHOT", |l| {
+        l.starts_with("SNAPSHOT")
+    });
+    assert_eq!(snapshot.trim_end(), shown[1], "`{subscribe}`'s first event");
+
+    // The edit the README describes, made to the checkout's file, is an UPDATED line.
+    let (file, from, to) = edit(&quickstart);
+    let path = dir.join(&file);
+    let text = std::fs::read_to_string(&path).unwrap();
+    assert_eq!(text.matches(&from).count(), 1, "{file} holds {from} once");
+    std::fs::write(&path, text.replace(&from, &to)).unwrap();
+    let selector = shown[1].split_whitespace().nth(1).unwrap().to_string();
+    let updated = line_where(&printed, Duration::from_secs(10), "UPDATED", |l| {
+        l.starts_with("UPDATED")
+    });
+    assert_eq!(
+        updated.split_whitespace().nth(1),
+        Some(selector.as_str()),
+        "{updated}"
+    );
+
+    // `top`, as the README runs it, in a 120 × 40 terminal: the watch by its short name.
+    let tmux = Tmux(format!("crd-broker-readme-{}", std::process::id()));
+    let mut session = tmux.command();
+    session.args([
+        "new-session",
+        "-d",
+        "-s",
+        "readme",
+        "-x",
+        "120",
+        "-y",
+        "40",
+        "-c",
+    ]);
+    session.arg(&dir).arg(format!("{top}; sleep 600"));
+    assert!(
+        as_reader(&mut session, &env).status().unwrap().success(),
+        "tmux starts"
+    );
+    let short = format!("featureflags/{}", selector.split_once('/').unwrap().1);
+    assert!(
+        eventually(Duration::from_secs(120), || tmux.screen().contains(&short)),
+        "`{top}` shows {short}:\n{}",
+        tmux.screen()
+    );
+}
+
+#[test]
+fn ci_runs_the_readme_test_command() {
+    let readme = std::fs::read_to_string(Path::new(ROOT).join("README.md")).unwrap();
+    let tests = commands(&section(&readme, "Tests"));
+    let [command] = tests.as_slice() else {
+        panic!("the Tests section gives one command: {tests:#?}");
+    };
+    let script = Path::new(ROOT).join(command.split_whitespace().next().unwrap());
+    let mode =
+        std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(&script).unwrap().permissions());
+    assert!(mode & 0o111 != 0, "{} is executable", script.display());
+    let ci = std::fs::read_to_string(Path::new(ROOT).join(".ci/run")).unwrap();
+    let last = ci
+        .lines()
+        .map(str::trim)
+        .rfind(|l| !l.is_empty() && !l.starts_with('#'))
+        .unwrap();
+    assert_eq!(last, command, ".ci/run ends with the README's test command");
+}
+
+#[test]
+fn the_quickstart_edit_is_read_from_its_words() {
+    let words = "Now edit `examples/manifests/demo.yaml` — say, change `defaultVariant: \"off\"` to `\"on\"` — and";
+    assert_eq!(
+        edit(words),
+        (
+            "examples/manifests/demo.yaml".to_string(),
+            "defaultVariant: \"off\"".to_string(),
+            "defaultVariant: \"on\"".to_string()
+        )
+    );
+}
