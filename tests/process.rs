@@ -75,7 +75,7 @@ async fn wait_ready(admin: SocketAddr, child: &mut Child) {
     let ready = tokio::time::timeout(Duration::from_secs(20), async {
         loop {
             if let Ok(Ok((200, _))) =
-                tokio::time::timeout(Duration::from_secs(1), try_get(admin, "/readyz")).await
+                tokio::time::timeout(Duration::from_secs(1), try_http_get(admin, "/readyz")).await
             {
                 return;
             }
@@ -86,27 +86,6 @@ async fn wait_ready(admin: SocketAddr, child: &mut Child) {
         ready = ready => assert!(ready.is_ok(), "the broker becomes ready"),
         exit = child.wait() => panic!("the broker exited ({exit:?}) before it was ready"),
     }
-}
-
-/// One GET, failing (rather than panicking) when the server does not answer: while a broker
-/// starts, its admin port may not take connections yet.
-async fn try_get(addr: SocketAddr, path: &str) -> std::io::Result<(u16, String)> {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut stream = tokio::net::TcpStream::connect(addr).await?;
-    let request = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
-    stream.write_all(request.as_bytes()).await?;
-    let mut response = String::new();
-    stream.read_to_string(&mut response).await?;
-    let status = response
-        .split(' ')
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .unwrap_or(0);
-    let body = response
-        .split_once("\r\n\r\n")
-        .map(|(_, b)| b.to_string())
-        .unwrap_or_default();
-    Ok((status, body))
 }
 
 async fn health_watch(addr: SocketAddr) -> tonic::Streaming<tonic_health::pb::HealthCheckResponse> {

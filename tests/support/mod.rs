@@ -104,12 +104,21 @@ pub async fn fake_with_kubeconfig() -> (FakeApiServer, tempfile::TempDir, std::p
 
 /// A plain HTTP/1.1 GET on loopback: the status code and the body.
 pub async fn http_get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
+    try_http_get(addr, path).await.expect("GET")
+}
+
+/// [`http_get`], failing when the server does not take the connection or answer (a server that
+/// is starting, say).
+pub async fn try_http_get(
+    addr: std::net::SocketAddr,
+    path: &str,
+) -> std::io::Result<(u16, String)> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    let mut stream = tokio::net::TcpStream::connect(addr).await?;
     let request = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
-    stream.write_all(request.as_bytes()).await.expect("write");
+    stream.write_all(request.as_bytes()).await?;
     let mut response = String::new();
-    stream.read_to_string(&mut response).await.expect("read");
+    stream.read_to_string(&mut response).await?;
     let status = response
         .split(' ')
         .nth(1)
@@ -119,7 +128,7 @@ pub async fn http_get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
         .split_once("\r\n\r\n")
         .map(|(_, b)| b.to_string())
         .unwrap_or_default();
-    (status, body)
+    Ok((status, body))
 }
 
 /// A broker on 127.0.0.1:0 whose Kubernetes source is the fake.
