@@ -57,13 +57,16 @@ fn commands(text: &str) -> Vec<String> {
     blocks(text)
         .into_iter()
         .filter(|(info, _)| info == "sh")
-        .flat_map(|(_, body)| {
-            body.lines()
-                .map(str::trim)
-                .filter(|l| !l.is_empty() && !l.starts_with('#'))
-                .map(str::to_string)
-                .collect::<Vec<_>>()
-        })
+        .flat_map(|(_, body)| lines_of(&body))
+        .collect()
+}
+
+/// The commands of one block.
+fn lines_of(body: &str) -> Vec<String> {
+    body.lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.starts_with('#'))
+        .map(str::to_string)
         .collect()
 }
 
@@ -410,9 +413,14 @@ fn the_quickstart_runs_as_written_in_a_clean_checkout() {
 #[test]
 fn ci_runs_the_readme_test_command() {
     let readme = std::fs::read_to_string(Path::new(ROOT).join("README.md")).unwrap();
-    let tests = commands(&section(&readme, "Tests"));
+    let first = blocks(&section(&readme, "Tests"))
+        .into_iter()
+        .find(|(info, _)| info == "sh")
+        .expect("the Tests section gives the test command")
+        .1;
+    let tests = lines_of(&first);
     let [command] = tests.as_slice() else {
-        panic!("the Tests section gives one command: {tests:#?}");
+        panic!("the Tests section's first block is the one test command: {tests:#?}");
     };
     let script = Path::new(ROOT).join(command.split_whitespace().next().unwrap());
     let mode =
@@ -438,4 +446,34 @@ fn the_quickstart_edit_is_read_from_its_words() {
             "defaultVariant: \"on\"".to_string()
         )
     );
+}
+
+#[test]
+fn the_control_plane_commands_run_as_written() {
+    let readme = std::fs::read_to_string(Path::new(ROOT).join("README.md")).unwrap();
+    let block = blocks(&section(&readme, "Tests"))
+        .into_iter()
+        .find(|(info, body)| info == "sh" && body.contains("scripts/control-plane up"))
+        .expect("the Tests section shows how to start a control plane")
+        .1;
+    // As a reader pastes it into a shell, in a temporary directory of its own (TMPDIR), so that
+    // it meets no other control plane.
+    let tmp = tempfile::tempdir().unwrap();
+    let out = Command::new("bash")
+        .args(["-euc", &block])
+        .current_dir(ROOT)
+        .env("TMPDIR", tmp.path())
+        .env_remove("KUBECONFIG")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.contains("kube-system"),
+        "{block}\nstdout: {stdout}\nstderr: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let dir = tmp.path().join("crd-broker-control-plane");
+    for pid in ["kube-apiserver.pid", "etcd.pid"] {
+        assert!(!dir.join(pid).exists(), "down stopped {pid}");
+    }
 }

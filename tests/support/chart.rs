@@ -29,6 +29,15 @@ pub fn merge(base: &mut Value, over: &Value) {
 
 /// Renders the chart with values.yaml overlaid by `overrides`; the manifests, or the error.
 pub fn render(overrides: Value) -> Result<Vec<Value>, String> {
+    render_release("flags", "openfeature", overrides)
+}
+
+/// [`render`] as the release `release` in `namespace`.
+pub fn render_release(
+    release: &str,
+    namespace: &str,
+    overrides: Value,
+) -> Result<Vec<Value>, String> {
     let go = std::env::var("GO").unwrap_or_else(|_| "go".into());
     let found = Command::new(&go)
         .arg("version")
@@ -51,7 +60,7 @@ pub fn render(overrides: Value) -> Result<Vec<Value>, String> {
     let meta = yaml_file(&chart().join("Chart.yaml"));
     let context = json!({
         "Values": values,
-        "Release": { "Name": "flags", "Namespace": "openfeature", "Service": "Helm" },
+        "Release": { "Name": release, "Namespace": namespace, "Service": "Helm" },
         "Chart": { "Name": meta["name"], "Version": meta["version"], "AppVersion": meta["appVersion"] },
     });
     let dir = tempfile::tempdir().unwrap();

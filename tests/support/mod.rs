@@ -6,6 +6,7 @@
 use std::time::Duration;
 
 pub mod chart;
+pub mod control_plane;
 pub mod dns;
 
 use crd_broker::broker::Running;
@@ -298,6 +299,47 @@ pub fn connections_to(port: u16) -> usize {
                 .collect::<Vec<_>>()
         })
         .filter(|(local, remote, established)| *established && *remote == port && *local != port)
+        .count()
+}
+
+/// Established TCP connections of the process `pid` to `port` (any address): its socket inodes
+/// matched against `/proc/net/tcp` and `tcp6`.
+pub fn connections_of(pid: u32, port: u16) -> usize {
+    let inodes: std::collections::HashSet<String> = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|fd| std::fs::read_link(fd.path()).ok())
+        .filter_map(|target| {
+            let target = target.to_string_lossy().into_owned();
+            Some(
+                target
+                    .strip_prefix("socket:[")?
+                    .trim_end_matches(']')
+                    .to_string(),
+            )
+        })
+        .collect();
+    let port = format!("{port:04X}");
+    ["/proc/net/tcp", "/proc/net/tcp6"]
+        .iter()
+        .filter_map(|table| std::fs::read_to_string(table).ok())
+        .flat_map(|text| {
+            text.lines()
+                .skip(1)
+                .map(|line| {
+                    line.split_whitespace()
+                        .map(str::to_string)
+                        .collect::<Vec<_>>()
+                })
+                .collect::<Vec<_>>()
+        })
+        .filter(|f| {
+            f.len() > 9
+                && f[3] == "01"
+                && f[2].rsplit(':').next() == Some(port.as_str())
+                && inodes.contains(&f[9])
+        })
         .count()
 }
 

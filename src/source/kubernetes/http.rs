@@ -113,11 +113,18 @@ struct Lane {
     open: Arc<Use>,
     /// The peer's `SETTINGS_MAX_CONCURRENT_STREAMS`, as last seen.
     streams: Arc<AtomicUsize>,
+    /// Whether the first response came back, and with it the peer's SETTINGS (a server sends
+    /// them before any response). Until then the connection carries its first request alone.
+    settled: tokio::sync::watch::Receiver<bool>,
 }
 
 impl Lane {
     fn has_room(&self) -> bool {
-        self.open.requests.load(Ordering::Relaxed) < self.streams.load(Ordering::Relaxed)
+        let limit = match *self.settled.borrow() {
+            true => self.streams.load(Ordering::Relaxed),
+            false => 1,
+        };
+        self.open.requests.load(Ordering::Relaxed) < limit
     }
 
     /// Whether it has carried nothing for [`IDLE_CLOSE`].
@@ -159,6 +166,17 @@ where
         let streams = self.connection.current_max_send_streams();
         self.streams.store(streams, Ordering::Relaxed);
         done
+    }
+}
+
+/// Marks a connection settled (if it is the connection's first request's) when dropped.
+struct SettleOnDrop(Option<Arc<tokio::sync::watch::Sender<bool>>>);
+
+impl Drop for SettleOnDrop {
+    fn drop(&mut self) {
+        if let Some(settle) = &self.0 {
+            settle.send_replace(true);
+        }
     }
 }
 
@@ -229,32 +247,57 @@ impl Pool {
     }
 }
 
+/// A request's place on a connection: where to send it, the slot it holds, and, for the
+/// connection's first request, the sender that marks the connection settled when its response
+/// comes.
+type Room = (
+    http2::SendRequest<Body>,
+    Slot,
+    Option<Arc<tokio::sync::watch::Sender<bool>>>,
+);
+
 impl Shared {
-    /// A place for one request on a connection with room, if one has it.
-    fn take_room(&self) -> Option<(http2::SendRequest<Body>, Slot)> {
+    /// A place for one request on a connection with room; else, if a connection has not
+    /// settled yet, a receiver to wait on (it may have room once it has).
+    fn take_room(&self) -> Result<Room, Option<tokio::sync::watch::Receiver<bool>>> {
         let mut lanes = lock(&self.lanes);
         lanes.retain(|l| !l.sender.is_closed());
         // Connections idle for long are closed, all but the first.
         let mut first = true;
         lanes.retain(|l| std::mem::take(&mut first) || !l.idle());
         // The first connection with room: requests fill connections in order, so few are open.
-        let lane = lanes.iter().find(|l| l.has_room())?;
+        let Some(lane) = lanes.iter().find(|l| l.has_room()) else {
+            return Err(lanes
+                .iter()
+                .find(|l| !*l.settled.borrow())
+                .map(|l| l.settled.clone()));
+        };
         lane.open.requests.fetch_add(1, Ordering::Relaxed);
-        Some((lane.sender.clone(), Slot(lane.open.clone())))
+        Ok((lane.sender.clone(), Slot(lane.open.clone()), None))
     }
 
     /// A place for one request on an HTTP/2 connection, opening one if all are full; `None`
     /// if the server speaks only HTTP/1.1.
-    async fn reserve(&self) -> Result<Option<(http2::SendRequest<Body>, Slot)>, BoxError> {
+    async fn reserve(&self) -> Result<Option<Room>, BoxError> {
+        let mut waited = false;
         loop {
             if self.http1_only.load(Ordering::Relaxed) {
                 return Ok(None);
             }
-            if let Some(room) = self.take_room() {
-                return Ok(Some(room));
-            }
-            let _opening = self.opening.lock().await;
-            if let Some(room) = self.take_room() {
+            let _opening = match self.take_room() {
+                Ok(room) => return Ok(Some(room)),
+                // A new connection learns its stream limit from its first response: wait for
+                // that (once: a first request may be slow to answer) rather than open another
+                // for every request of a burst.
+                Err(Some(mut settling)) if !waited => {
+                    waited = true;
+                    let settled = settling.wait_for(|settled| *settled);
+                    let _ = tokio::time::timeout(CONNECT_TIMEOUT, settled).await;
+                    continue;
+                }
+                Err(_) => self.opening.lock().await,
+            };
+            if let Ok(room) = self.take_room() {
                 return Ok(Some(room));
             }
             let opened = tokio::time::timeout(CONNECT_TIMEOUT, self.open())
@@ -266,7 +309,13 @@ impl Shared {
                     )
                 })??;
             match opened {
-                Some(lane) => lock(&self.lanes).push(lane),
+                // The request that opened the connection is its first.
+                Some((lane, settle)) => {
+                    lane.open.requests.fetch_add(1, Ordering::Relaxed);
+                    let room = (lane.sender.clone(), Slot(lane.open.clone()), Some(settle));
+                    lock(&self.lanes).push(lane);
+                    return Ok(Some(room));
+                }
                 None => {
                     tracing::info!("the API server offers no HTTP/2; speaking HTTP/1.1 to it");
                     self.http1_only.store(true, Ordering::Relaxed);
@@ -276,8 +325,10 @@ impl Shared {
     }
 
     /// Opens a connection: TCP, then TLS with ALPN, then HTTP/2; `None` if the server did not
-    /// agree on `h2`.
-    async fn open(&self) -> Result<Option<Lane>, BoxError> {
+    /// agree on `h2`. The connection is not settled: the sender returned settles it.
+    async fn open(
+        &self,
+    ) -> Result<Option<(Lane, Arc<tokio::sync::watch::Sender<bool>>)>, BoxError> {
         let tcp = tokio::net::TcpStream::connect((self.host.as_str(), self.port)).await?;
         tcp.set_nodelay(true)?;
         let tls = self.tls.connect(self.server_name.clone(), tcp).await?;
@@ -301,21 +352,21 @@ impl Shared {
                 tracing::debug!(error = %e, "an HTTP/2 connection to the API server ended");
             }
         });
-        // The server's SETTINGS (its stream limit) come before any response: one small
-        // request, whatever its answer, makes them known before the connection is shared.
-        let probe = Request::get(format!("https://{}:{}/version", self.host, self.port))
-            .body(Body::empty())?;
+        // No request of our own to learn the server's SETTINGS: it would carry no credentials
+        // (those are added above this pool), and the kube-apiserver closes an HTTP/2
+        // connection after an anonymous request. The opener's own request goes first.
         sender.ready().await?;
-        drop(sender.send_request(probe).await?);
-        tracing::debug!(
-            streams = streams.load(Ordering::Relaxed),
-            "opened an HTTP/2 connection to the API server"
-        );
-        Ok(Some(Lane {
-            sender,
-            open: Use::new(),
-            streams,
-        }))
+        tracing::debug!("opened an HTTP/2 connection to the API server");
+        let (settle, settled) = tokio::sync::watch::channel(false);
+        Ok(Some((
+            Lane {
+                sender,
+                open: Use::new(),
+                streams,
+                settled,
+            },
+            Arc::new(settle),
+        )))
     }
 }
 
@@ -331,12 +382,16 @@ impl tower::Service<Request<Body>> for Pool {
     fn call(&mut self, request: Request<Body>) -> Self::Future {
         let shared = self.0.clone();
         Box::pin(async move {
-            let Some((mut sender, slot)) = shared.reserve().await? else {
+            let Some((mut sender, slot, settle)) = shared.reserve().await? else {
                 let response = shared.http1.request(request).await?;
                 return Ok(response.map(|body| Tracked { body, _slot: None }));
             };
+            // Settled when the first request is answered, or has failed (then the connection
+            // is likely closed, and dropped from the pool).
+            let settled = SettleOnDrop(settle);
             sender.ready().await?;
             let response = sender.send_request(request).await?;
+            drop(settled);
             Ok(response.map(|body| Tracked {
                 body,
                 _slot: Some(slot),

@@ -1,0 +1,335 @@
+//! The broker against a real kube-apiserver and etcd (`scripts/control-plane`, one per test
+//! binary, a namespace per test), deployed as the Helm chart deploys it: as a ServiceAccount
+//! with the chart's RBAC. What the broker promises the API server is counted from the API
+//! server's own metrics, not the broker's.
+
+mod support;
+
+use std::time::Duration;
+
+use crd_broker::pb::subscribe_response::Event;
+use kube::api::{Api, DeleteParams, DynamicObject, Patch, PatchParams, PostParams};
+use kube::core::ApiResource;
+use serde_json::{Value, json};
+use support::control_plane::{ControlPlane, Deployed, control_plane, crd};
+use support::*;
+
+/// A kind of this test's own, so that the API server's watch counts (by group and resource)
+/// are this test's alone.
+fn own_group(namespace: &str) -> String {
+    format!("{namespace}.crd-broker.test")
+}
+
+fn widgets(group: &str) -> ApiResource {
+    ApiResource {
+        group: group.to_string(),
+        version: "v1".into(),
+        api_version: format!("{group}/v1"),
+        kind: "Widget".into(),
+        plural: "widgets".into(),
+    }
+}
+
+fn widget(group: &str, namespace: &str, name: &str, color: &str) -> Value {
+    json!({
+        "apiVersion": format!("{group}/v1"),
+        "kind": "Widget",
+        "metadata": { "name": name, "namespace": namespace },
+        "spec": { "color": color },
+    })
+}
+
+async fn create(plane: &ControlPlane, resource: &ApiResource, namespace: &str, object: Value) {
+    let api: Api<DynamicObject> = Api::namespaced_with(plane.admin().await, namespace, resource);
+    api.create(
+        &PostParams::default(),
+        &serde_json::from_value(object).unwrap(),
+    )
+    .await
+    .unwrap();
+}
+
+/// The broker's values for serving widgets of `group` in `namespace` alone, with `linger`.
+fn widget_values(group: &str, namespace: &str, linger: &str) -> Value {
+    json!({
+        "kinds": [{ "group": group, "plural": "widgets", "version": "" }],
+        "watchNamespaces": [namespace],
+        "linger": linger,
+        "access": { "identity": "none" },
+    })
+}
+
+#[tokio::test]
+async fn one_api_watch_is_shared_by_ten_subscribers_and_ends_after_the_linger() {
+    let plane = control_plane();
+    let ns = plane.namespace("one-watch").await;
+    let group = own_group(&ns);
+    plane
+        .install_crds(&[crd(&group, "widgets", "Widget")])
+        .await;
+    let resource = widgets(&group);
+    create(plane, &resource, &ns, widget(&group, &ns, "w1", "red")).await;
+    let broker = plane.deploy(&ns, widget_values(&group, &ns, "3s")).await;
+    assert_eq!(plane.open_watches(&group, "widgets").await, 0.0);
+
+    let selector = format!("widgets.{group}/{ns}/w1");
+    let mut client = connect(broker.grpc).await;
+    let mut first = subscribe(&mut client, &[&selector]).await;
+    assert_eq!(next(&mut first).await.event(), Event::Snapshot);
+    eventually("the API server serves one watch", WAIT, async || {
+        plane.open_watches(&group, "widgets").await == 1.0
+    })
+    .await;
+    let mut streams = vec![first];
+    for _ in 0..9 {
+        let mut s = subscribe(&mut client, &[&selector]).await;
+        assert_eq!(next(&mut s).await.event(), Event::Snapshot);
+        streams.push(s);
+    }
+    assert_eq!(
+        plane.open_watches(&group, "widgets").await,
+        1.0,
+        "ten subscribers share one watch"
+    );
+
+    // A change reaches all ten.
+    let api: Api<DynamicObject> = Api::namespaced_with(plane.admin().await, &ns, &resource);
+    api.patch(
+        "w1",
+        &PatchParams::default(),
+        &Patch::Merge(json!({ "spec": { "color": "blue" } })),
+    )
+    .await
+    .unwrap();
+    for s in &mut streams {
+        let update = next(s).await;
+        assert_eq!(update.event(), Event::Updated);
+        assert_eq!(object(&update)["spec"]["color"], "blue");
+    }
+
+    // The last subscriber leaves: the watch outlives it by the linger, then ends.
+    drop(streams);
+    let left = tokio::time::Instant::now();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(
+        plane.open_watches(&group, "widgets").await,
+        1.0,
+        "the watch lingers"
+    );
+    eventually("the watch ends after the linger", WAIT, async || {
+        plane.open_watches(&group, "widgets").await == 0.0
+    })
+    .await;
+    assert!(
+        left.elapsed() >= Duration::from_secs(3),
+        "ended {:?} after the last subscriber left, before the 3 s linger",
+        left.elapsed()
+    );
+}
+
+#[tokio::test]
+async fn a_resource_created_later_is_served_through_its_life() {
+    let plane = control_plane();
+    let ns = plane.namespace("created-later").await;
+    let group = own_group(&ns);
+    plane
+        .install_crds(&[crd(&group, "widgets", "Widget")])
+        .await;
+    let resource = widgets(&group);
+    let broker = plane.deploy(&ns, widget_values(&group, &ns, "30s")).await;
+    let mut client = connect(broker.grpc).await;
+    let mut s = subscribe(&mut client, &[&format!("widgets.{group}/{ns}/later")]).await;
+    assert_eq!(next(&mut s).await.event(), Event::Absent, "not there yet");
+
+    create(plane, &resource, &ns, widget(&group, &ns, "later", "red")).await;
+    let created = next(&mut s).await;
+    assert_eq!(created.event(), Event::Snapshot);
+    assert_eq!(object(&created)["spec"]["color"], "red");
+
+    let api: Api<DynamicObject> = Api::namespaced_with(plane.admin().await, &ns, &resource);
+    api.patch(
+        "later",
+        &PatchParams::default(),
+        &Patch::Merge(json!({ "spec": { "color": "green" } })),
+    )
+    .await
+    .unwrap();
+    let updated = next(&mut s).await;
+    assert_eq!(updated.event(), Event::Updated);
+    assert_eq!(object(&updated)["spec"]["color"], "green");
+
+    api.delete("later", &DeleteParams::default()).await.unwrap();
+    let deleted = next(&mut s).await;
+    assert_eq!(deleted.event(), Event::Deleted);
+    assert_eq!(
+        object(&deleted)["spec"]["color"],
+        "green",
+        "with its last state"
+    );
+
+    create(plane, &resource, &ns, widget(&group, &ns, "later", "blue")).await;
+    let again = next(&mut s).await;
+    assert_eq!(again.event(), Event::Snapshot, "re-created");
+    assert_eq!(object(&again)["spec"]["color"], "blue");
+    assert_ne!(again.uid, created.uid, "a new object");
+}
+
+#[tokio::test]
+async fn a_crd_created_while_the_broker_runs_is_served_without_a_restart() {
+    let plane = control_plane();
+    let ns = plane.namespace("crd-later").await;
+    let group = own_group(&ns);
+    // Until its kind exists, a broker that serves it is not ready, and says why.
+    let mut broker = plane.launch(&ns, widget_values(&group, &ns, "30s")).await;
+    let (status, reason) = broker.readiness().await.unwrap();
+    assert_eq!(status, 503, "{reason}");
+    assert!(reason.contains(&group), "{reason}");
+    let selector = format!("widgets.{group}/{ns}/w1");
+    let mut client = connect(broker.grpc).await;
+    let unknown = client.subscribe(request(&[&selector])).await;
+    let status = match unknown {
+        Ok(response) => ended(&mut response.into_inner()).await,
+        Err(status) => status,
+    };
+    assert_eq!(status.code(), tonic::Code::NotFound, "{status:?}");
+
+    plane
+        .install_crds(&[crd(&group, "widgets", "Widget")])
+        .await;
+    create(
+        plane,
+        &widgets(&group),
+        &ns,
+        widget(&group, &ns, "w1", "red"),
+    )
+    .await;
+    broker.wait_ready().await;
+    eventually("the new kind is served", WAIT, async || {
+        let Ok(response) = client.subscribe(request(&[&selector])).await else {
+            return false;
+        };
+        let mut s = response.into_inner();
+        matches!(s.message().await, Ok(Some(m)) if m.event() == Event::Snapshot)
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn the_control_plane_reports_its_real_version() {
+    let plane = control_plane();
+    let version: Value = serde_json::from_str(&plane.get("/version").await).unwrap();
+    let git = version["gitVersion"].as_str().unwrap();
+    assert!(
+        git.starts_with("v1.3") && !git.contains("master") && git != "v0.0.0",
+        "{version}"
+    );
+    assert_eq!(version["major"], "1");
+}
+
+#[tokio::test]
+async fn a_control_plane_on_ipv6_loopback_is_served_over_http2() {
+    // A control plane of its own, at [::1]: the broker reaches it over HTTP/2 (`--api-http2`
+    // auto, the default), where a URL needs its address in brackets.
+    let plane = tokio::task::spawn_blocking(|| support::control_plane::start("::1"))
+        .await
+        .unwrap();
+    assert!(
+        plane.server.starts_with("https://[::1]:"),
+        "{}",
+        plane.server
+    );
+    let ns = plane.namespace("ipv6").await;
+    let group = own_group(&ns);
+    plane
+        .install_crds(&[crd(&group, "widgets", "Widget")])
+        .await;
+    create(
+        &plane,
+        &widgets(&group),
+        &ns,
+        widget(&group, &ns, "w1", "red"),
+    )
+    .await;
+    let broker = plane.deploy(&ns, widget_values(&group, &ns, "30s")).await;
+    let mut client = connect(broker.grpc).await;
+    let mut s = subscribe(&mut client, &[&format!("widgets.{group}/{ns}/w1")]).await;
+    let first = next(&mut s).await;
+    assert_eq!(first.event(), Event::Snapshot);
+    assert_eq!(object(&first)["spec"]["color"], "red");
+    let port: u16 = plane.server.rsplit(':').next().unwrap().parse().unwrap();
+    assert!(
+        connections_of(broker.child.id().unwrap(), port) >= 1,
+        "the broker holds its connection to [::1]:{port}"
+    );
+}
+
+/// Subscribes to every name of `names` (100 to a stream, as a request takes at most 100) and
+/// waits for each one's SNAPSHOT; the streams, to keep the watches open.
+async fn subscribe_all(
+    broker: &Deployed,
+    group: &str,
+    ns: &str,
+    names: &[String],
+) -> Vec<tonic::Streaming<crd_broker::pb::SubscribeResponse>> {
+    let mut client = connect(broker.grpc).await;
+    let mut streams = Vec::new();
+    for chunk in names.chunks(100) {
+        let selectors: Vec<String> = chunk
+            .iter()
+            .map(|n| format!("widgets.{group}/{ns}/{n}"))
+            .collect();
+        let selectors: Vec<&str> = selectors.iter().map(String::as_str).collect();
+        let mut s = subscribe(&mut client, &selectors).await;
+        for _ in chunk {
+            assert_eq!(next(&mut s).await.event(), Event::Snapshot);
+        }
+        streams.push(s);
+    }
+    streams
+}
+
+#[tokio::test]
+async fn a_thousand_watched_resources_share_a_dozen_http2_connections_and_hold_one_each_without() {
+    use futures::StreamExt;
+    let plane = control_plane();
+    let ns = plane.namespace("http2").await;
+    let group = own_group(&ns);
+    plane
+        .install_crds(&[crd(&group, "widgets", "Widget")])
+        .await;
+    let resource = widgets(&group);
+    let names: Vec<String> = (0..1000).map(|i| format!("w{i}")).collect();
+    futures::stream::iter(&names)
+        .for_each_concurrent(16, |name| {
+            create(plane, &resource, &ns, widget(&group, &ns, name, "red"))
+        })
+        .await;
+    let port: u16 = plane.server.rsplit(':').next().unwrap().parse().unwrap();
+    for (mode, most, least) in [("auto", 12, 1), ("off", usize::MAX, 1000)] {
+        let mut values = widget_values(&group, &ns, "1s");
+        // A watch per name (no switch to one namespace watch), over HTTP/2 or not.
+        values["extraEnv"] = json!([
+            { "name": "CRD_BROKER_NAMESPACE_WATCH_THRESHOLD", "value": "0" },
+            { "name": "CRD_BROKER_API_HTTP2", "value": mode },
+        ]);
+        values["fullnameOverride"] = json!(format!("{ns}-{mode}"));
+        let broker = plane.deploy(&ns, values).await;
+        let streams = subscribe_all(&broker, &group, &ns, &names).await;
+        eventually("the API server serves a watch per name", WAIT, async || {
+            plane.open_watches(&group, "widgets").await == 1000.0
+        })
+        .await;
+        let held = connections_of(broker.child.id().unwrap(), port);
+        assert!(
+            (least..=most).contains(&held),
+            "--api-http2 {mode}: {held} connections for 1,000 watches"
+        );
+        eprintln!("--api-http2 {mode}: 1,000 watches over {held} connections");
+        drop(streams);
+        drop(broker);
+        eventually("the watches end", WAIT, async || {
+            plane.open_watches(&group, "widgets").await == 0.0
+        })
+        .await;
+    }
+}

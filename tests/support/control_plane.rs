@@ -1,0 +1,409 @@
+//! A real kube-apiserver and etcd (`scripts/control-plane`), one per test binary and shared by
+//! its tests, each test in a namespace of its own. It stops when the test binary exits (the
+//! script watches our pid). The broker runs against it as its users run it: as a ServiceAccount
+//! with exactly the RBAC the Helm chart renders, through a kubeconfig holding that account's
+//! token.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use k8s_openapi::api::authentication::v1::TokenRequest;
+use k8s_openapi::api::core::v1::{Namespace, ServiceAccount};
+use kube::api::{Api, DynamicObject, Patch, PatchParams, PostParams};
+use kube::core::{ApiResource, GroupVersionKind};
+use serde_json::{Value, json};
+
+const ROOT: &str = env!("CARGO_MANIFEST_DIR");
+
+/// A running control plane.
+pub struct ControlPlane {
+    /// Where its certificates, logs and kubeconfig are.
+    pub dir: PathBuf,
+    /// The admin's kubeconfig (a client certificate in `system:masters`).
+    pub admin_kubeconfig: PathBuf,
+    /// `https://host:port`.
+    pub server: String,
+}
+
+static PLANE: OnceLock<ControlPlane> = OnceLock::new();
+
+/// The control plane of this test binary, started at the first call (`scripts/control-plane
+/// up`; the binaries are built once per version and cached).
+pub fn control_plane() -> &'static ControlPlane {
+    PLANE.get_or_init(|| start("127.0.0.1"))
+}
+
+/// Starts a control plane on `address` (`127.0.0.1`, `::1`) in a directory of its own under
+/// `target/control-plane/`, removing the directories of earlier test binaries that are gone.
+pub fn start(address: &str) -> ControlPlane {
+    let base = Path::new(ROOT).join("target/control-plane");
+    std::fs::create_dir_all(&base).unwrap();
+    for entry in std::fs::read_dir(&base).unwrap().flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let pid = name.split('-').next().unwrap_or_default();
+        if !Path::new("/proc").join(pid).exists() {
+            let _ = std::fs::remove_dir_all(entry.path());
+        }
+    }
+    static STARTED: AtomicU32 = AtomicU32::new(0);
+    let dir = base.join(format!(
+        "{}-{}",
+        std::process::id(),
+        STARTED.fetch_add(1, Ordering::Relaxed)
+    ));
+    let out = Command::new(Path::new(ROOT).join("scripts/control-plane"))
+        .args(["up", "--dir"])
+        .arg(&dir)
+        .args(["--address", address])
+        .args(["--watch-pid", &std::process::id().to_string()])
+        .output()
+        .expect("scripts/control-plane runs");
+    assert!(
+        out.status.success(),
+        "scripts/control-plane up (run the README's test command, scripts/test, which builds it): {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let server = std::fs::read_to_string(dir.join("server"))
+        .unwrap()
+        .trim()
+        .to_string();
+    ControlPlane {
+        admin_kubeconfig: dir.join("admin.kubeconfig"),
+        dir,
+        server,
+    }
+}
+
+impl ControlPlane {
+    /// A client with the admin's rights.
+    pub async fn admin(&self) -> kube::Client {
+        client_from(&self.admin_kubeconfig).await
+    }
+
+    /// GET `path` as the admin: the body (for `/metrics`, `/version`, …).
+    pub async fn get(&self, path: &str) -> String {
+        let request = http::Request::get(path).body(Vec::new()).unwrap();
+        self.admin().await.request_text(request).await.unwrap()
+    }
+
+    /// The API server's own metrics, as `name{labels}` → value.
+    pub async fn metrics(&self) -> std::collections::BTreeMap<String, f64> {
+        super::scrape(&self.get("/metrics").await)
+    }
+
+    /// A new namespace named after `test` (with a number, so that a test may run twice).
+    pub async fn namespace(&self, test: &str) -> String {
+        static NEXT: AtomicU32 = AtomicU32::new(0);
+        let name = format!(
+            "{}-{}-{}",
+            test.replace('_', "-")
+                .chars()
+                .take(40)
+                .collect::<String>()
+                .trim_end_matches('-'),
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        );
+        let namespaces: Api<Namespace> = Api::all(self.admin().await);
+        namespaces
+            .create(
+                &PostParams::default(),
+                &serde_json::from_value(json!({ "metadata": { "name": name } })).unwrap(),
+            )
+            .await
+            .unwrap();
+        name
+    }
+
+    /// Applies `objects` (server-side apply, as the admin), each in its own namespace or the
+    /// cluster.
+    pub async fn apply(&self, objects: &[Value]) {
+        let client = self.admin().await;
+        for object in objects {
+            let (group, version) = match object["apiVersion"].as_str().unwrap().split_once('/') {
+                Some((g, v)) => (g.to_string(), v.to_string()),
+                None => (
+                    String::new(),
+                    object["apiVersion"].as_str().unwrap().to_string(),
+                ),
+            };
+            let kind = object["kind"].as_str().unwrap();
+            let discovered = kube::discovery::pinned_kind(
+                &client,
+                &GroupVersionKind::gvk(&group, &version, kind),
+            )
+            .await
+            .unwrap_or_else(|e| panic!("{kind} in {group}/{version}: {e}"));
+            let (resource, capabilities): (ApiResource, _) = discovered;
+            let api: Api<DynamicObject> = match object["metadata"]["namespace"].as_str() {
+                Some(ns) if capabilities.scope == kube::discovery::Scope::Namespaced => {
+                    Api::namespaced_with(client.clone(), ns, &resource)
+                }
+                _ => Api::all_with(client.clone(), &resource),
+            };
+            let name = object["metadata"]["name"].as_str().unwrap();
+            api.patch(
+                name,
+                &PatchParams::apply("crd-broker-tests").force(),
+                &Patch::Apply(object),
+            )
+            .await
+            .unwrap_or_else(|e| panic!("applying {kind} {name}: {e}"));
+        }
+    }
+
+    /// A kubeconfig in `dir` for the ServiceAccount `account` of `namespace`, with a token from
+    /// TokenRequest (an hour, for the API server's audience).
+    pub async fn kubeconfig_for(&self, namespace: &str, account: &str, dir: &Path) -> PathBuf {
+        let accounts: Api<ServiceAccount> = Api::namespaced(self.admin().await, namespace);
+        let request: TokenRequest = serde_json::from_value(json!({
+            "spec": { "audiences": [], "expirationSeconds": 3600 }
+        }))
+        .unwrap();
+        let token = accounts
+            .create_token_request(account, &PostParams::default(), &request)
+            .await
+            .unwrap()
+            .status
+            .unwrap()
+            .token;
+        let ca = std::fs::read(self.dir.join("pki/ca.crt")).unwrap();
+        let path = dir.join(format!("{account}.kubeconfig"));
+        let kubeconfig = json!({
+            "apiVersion": "v1",
+            "kind": "Config",
+            "clusters": [{ "name": "control-plane", "cluster": {
+                "server": self.server,
+                "certificate-authority-data": base64(&ca),
+            } }],
+            "users": [{ "name": account, "user": { "token": token } }],
+            "contexts": [{ "name": account, "context": {
+                "cluster": "control-plane", "user": account, "namespace": namespace,
+            } }],
+            "current-context": account,
+        });
+        std::fs::write(&path, kubeconfig.to_string()).unwrap();
+        path
+    }
+}
+
+/// A client for the kubeconfig at `path`.
+pub async fn client_from(path: &Path) -> kube::Client {
+    let kubeconfig = kube::config::Kubeconfig::read_from(path).unwrap();
+    let config = kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default())
+        .await
+        .unwrap();
+    kube::Client::try_from(config).unwrap()
+}
+
+fn base64(bytes: &[u8]) -> String {
+    use base64::Engine;
+    base64::engine::general_purpose::STANDARD.encode(bytes)
+}
+
+/// The broker as the Helm chart deploys it, running against a control plane: the chart rendered
+/// as the release `namespace` in `namespace`, its ServiceAccount and RBAC applied, and the
+/// container's args and env run with a kubeconfig holding that account's token.
+pub struct Deployed {
+    /// The broker process (killed when dropped).
+    pub child: tokio::process::Child,
+    /// Its gRPC address.
+    pub grpc: std::net::SocketAddr,
+    /// Its admin address.
+    pub admin: std::net::SocketAddr,
+    /// The namespace it is deployed in, and its ServiceAccount's name.
+    pub namespace: String,
+    /// Where its kubeconfig is.
+    pub dir: tempfile::TempDir,
+}
+
+/// The kinds of the chart's objects that exist without a kubelet and that the broker needs.
+const APPLIED: [&str; 5] = [
+    "ServiceAccount",
+    "ClusterRole",
+    "ClusterRoleBinding",
+    "Role",
+    "RoleBinding",
+];
+
+impl ControlPlane {
+    /// Deploys the broker into `namespace` with the chart's values overlaid by `values` (its
+    /// addresses are free loopback ports, whatever `values` says), and waits until it is ready.
+    pub async fn deploy(&self, namespace: &str, values: Value) -> Deployed {
+        let mut deployed = self.launch(namespace, values).await;
+        deployed.wait_ready().await;
+        deployed
+    }
+
+    /// [`ControlPlane::deploy`], waiting only until the broker takes connections, ready or not.
+    pub async fn launch(&self, namespace: &str, values: Value) -> Deployed {
+        let (grpc, admin) = (super::free_port(), super::free_port());
+        let mut overrides = json!({ "fullnameOverride": namespace });
+        super::chart::merge(&mut overrides, &values);
+        super::chart::merge(
+            &mut overrides,
+            &json!({ "listenAddress": "127.0.0.1", "grpc": { "port": grpc }, "admin": { "port": admin } }),
+        );
+        let docs = super::chart::render_release(namespace, namespace, overrides).unwrap();
+        let objects: Vec<Value> = docs
+            .iter()
+            .filter(|d| APPLIED.contains(&d["kind"].as_str().unwrap_or_default()))
+            .map(|d| {
+                let mut d = d.clone();
+                if d["kind"] == "ServiceAccount" && d["metadata"]["namespace"].is_null() {
+                    d["metadata"]["namespace"] = json!(namespace);
+                }
+                d
+            })
+            .collect();
+        self.apply(&objects).await;
+        let account = objects
+            .iter()
+            .find(|d| d["kind"] == "ServiceAccount")
+            .map(|d| d["metadata"]["name"].as_str().unwrap().to_string())
+            .expect("the chart renders a ServiceAccount");
+        let dir = tempfile::tempdir().unwrap();
+        let kubeconfig = self.kubeconfig_for(namespace, &account, dir.path()).await;
+        let container = super::chart::container(&docs);
+        let strings = |v: &Value| -> Vec<String> {
+            v.as_array()
+                .into_iter()
+                .flatten()
+                .map(|a| a.as_str().unwrap().to_string())
+                .collect()
+        };
+        let env: Vec<(String, String)> = container["env"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|e| {
+                let value = e["value"].as_str().expect("plain env values");
+                (e["name"].as_str().unwrap().to_string(), value.to_string())
+            })
+            .collect();
+        let child = tokio::process::Command::new(env!("CARGO_BIN_EXE_crd-broker"))
+            .args(strings(&container["args"]))
+            .env_clear()
+            .env("KUBECONFIG", &kubeconfig)
+            .envs(env)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::inherit())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("the broker starts");
+        let mut deployed = Deployed {
+            child,
+            grpc: ([127, 0, 0, 1], grpc).into(),
+            admin: ([127, 0, 0, 1], admin).into(),
+            namespace: namespace.to_string(),
+            dir,
+        };
+        deployed
+            .wait_for("takes connections", |status| status.is_some())
+            .await;
+        deployed
+    }
+}
+
+impl Deployed {
+    /// Waits until `/readyz` answers 200; a broker that exits first fails at once.
+    pub async fn wait_ready(&mut self) {
+        self.wait_for("becomes ready", |status| status == Some(200))
+            .await;
+    }
+
+    /// `/readyz`'s status and reason now (`None` if the admin port does not answer).
+    pub async fn readiness(&self) -> Option<(u16, String)> {
+        super::try_http_get(self.admin, "/readyz").await.ok()
+    }
+
+    /// Waits (30 s at most) until `/readyz`'s status (`None`: no answer) is `wanted`; a broker
+    /// that exits first fails at once.
+    async fn wait_for(&mut self, what: &str, wanted: impl Fn(Option<u16>) -> bool) {
+        let admin = self.admin;
+        let reached = tokio::time::timeout(std::time::Duration::from_secs(30), async {
+            loop {
+                let status = tokio::time::timeout(
+                    std::time::Duration::from_secs(2),
+                    super::try_http_get(admin, "/readyz"),
+                )
+                .await;
+                if wanted(status.ok().and_then(Result::ok).map(|(code, _)| code)) {
+                    return;
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+            }
+        });
+        tokio::select! {
+            reached = reached => assert!(reached.is_ok(), "the broker {what}"),
+            exit = self.child.wait() => panic!("the broker exited ({exit:?}) before it {what}"),
+        }
+    }
+}
+
+/// The CustomResourceDefinition of a namespaced kind `plural` in `group`, served at v1, with
+/// any fields.
+pub fn crd(group: &str, plural: &str, kind: &str) -> Value {
+    json!({
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": { "name": format!("{plural}.{group}") },
+        "spec": {
+            "group": group,
+            "scope": "Namespaced",
+            "names": { "plural": plural, "singular": kind.to_lowercase(), "kind": kind },
+            "versions": [{
+                "name": "v1", "served": true, "storage": true,
+                "schema": { "openAPIV3Schema": {
+                    "type": "object", "x-kubernetes-preserve-unknown-fields": true,
+                } },
+            }],
+        },
+    })
+}
+
+impl ControlPlane {
+    /// Applies the CRDs and waits until the API server serves each (its `Established`
+    /// condition, and the kind in discovery).
+    pub async fn install_crds(&self, crds: &[Value]) {
+        self.apply(crds).await;
+        let client = self.admin().await;
+        for crd in crds {
+            let group = crd["spec"]["group"].as_str().unwrap();
+            let kind = crd["spec"]["names"]["kind"].as_str().unwrap();
+            let versions = crd["spec"]["versions"].as_array().unwrap();
+            let version = versions[0]["name"].as_str().unwrap();
+            let gvk = GroupVersionKind::gvk(group, version, kind);
+            let found = tokio::time::timeout(std::time::Duration::from_secs(30), async {
+                loop {
+                    if kube::discovery::pinned_kind(&client, &gvk).await.is_ok() {
+                        return;
+                    }
+                    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                }
+            })
+            .await;
+            assert!(found.is_ok(), "{kind}.{group} served after 30 s");
+        }
+    }
+
+    /// The WATCH requests the API server is serving now on `resource` of `group`, from its
+    /// own metrics (`apiserver_longrunning_requests`).
+    pub async fn open_watches(&self, group: &str, resource: &str) -> f64 {
+        let group = format!("group=\"{group}\"");
+        let resource = format!("resource=\"{resource}\"");
+        self.metrics()
+            .await
+            .iter()
+            .filter(|(series, _)| {
+                series.starts_with("apiserver_longrunning_requests{")
+                    && series.contains("verb=\"WATCH\"")
+                    && series.contains(&group)
+                    && series.contains(&resource)
+            })
+            .map(|(_, value)| value)
+            .sum()
+    }
+}
