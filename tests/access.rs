@@ -283,6 +283,11 @@ async fn tokens_identify_service_accounts_once_per_token() {
         audiences: vec!["crd-broker".into()],
         ..TokenUser::default()
     });
+    // Authenticated by an authenticator that ignores audiences: any token of the API server's.
+    fake.register_token(TokenUser {
+        audience_unaware: true,
+        ..TokenUser::service_account("unaware", "team-a", "web")
+    });
     let broker = broker_with_access(&fake, settings("token")).await;
     let mut c = connect_from(broker.addr, "127.0.0.9").await;
     let with_token =
@@ -310,6 +315,10 @@ async fn tokens_identify_service_accounts_once_per_token() {
         ("elsewhere", "token: the bearer token was refused"),
         ("person", "user \"alice\"'s, not a service account's"),
         ("forged", "token: the bearer token was refused"),
+        (
+            "unaware",
+            "the TokenReview did not confirm the bearer token is for crd-broker",
+        ),
     ] {
         let status = c
             .subscribe(with_token(token, &ff("team-a", "f")))

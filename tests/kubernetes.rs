@@ -333,3 +333,165 @@ async fn a_thousand_watched_resources_share_a_dozen_http2_connections_and_hold_o
         .await;
     }
 }
+
+#[tokio::test]
+async fn a_pod_bound_token_for_the_brokers_audience_identifies_its_caller_by_the_real_token_review()
+{
+    let plane = control_plane();
+    let ns = plane.namespace("token").await;
+    let group = own_group(&ns);
+    plane
+        .install_crds(&[crd(&group, "widgets", "Widget")])
+        .await;
+    create(
+        plane,
+        &widgets(&group),
+        &ns,
+        widget(&group, &ns, "w1", "red"),
+    )
+    .await;
+    // The caller: a pod of the ServiceAccount `app` (there is no kubelet: an API object only).
+    plane
+        .apply(&[
+            json!({ "apiVersion": "v1", "kind": "ServiceAccount", "metadata": { "name": "app", "namespace": ns } }),
+            json!({ "apiVersion": "v1", "kind": "Pod", "metadata": { "name": "app", "namespace": ns },
+                "spec": { "serviceAccountName": "app", "containers": [{ "name": "app", "image": "app" }] } }),
+        ])
+        .await;
+    let mut values = widget_values(&group, &ns, "30s");
+    values["access"] = json!({ "identity": "token", "tokenAudience": "crd-broker" });
+    let broker = plane.deploy(&ns, values).await;
+    let selector = format!("widgets.{group}/{ns}/w1");
+    let mut client = connect(broker.grpc).await;
+    let with_token = |token: &str| {
+        let mut request = tonic::Request::new(request(&[&selector]));
+        request
+            .metadata_mut()
+            .insert("authorization", format!("Bearer {token}").parse().unwrap());
+        request
+    };
+
+    let bound = plane.token(&ns, "app", &["crd-broker"], Some("app")).await;
+    let mut s = client
+        .subscribe(with_token(&bound))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        next(&mut s).await.event(),
+        Event::Snapshot,
+        "its own namespace"
+    );
+
+    // A token for the API server, or for someone else, is not the broker's.
+    for audiences in [vec![], vec!["another-service"]] {
+        let token = plane.token(&ns, "app", &audiences, Some("app")).await;
+        let refused = client.subscribe(with_token(&token)).await.unwrap_err();
+        assert_eq!(
+            refused.code(),
+            tonic::Code::Unauthenticated,
+            "{audiences:?}: {refused:?}"
+        );
+        assert!(
+            refused.message().contains("the bearer token was refused"),
+            "{audiences:?}: {}",
+            refused.message()
+        );
+    }
+}
+
+#[tokio::test]
+async fn rights_revoked_while_serving_are_reported_and_recovered_from_when_restored() {
+    let plane = control_plane();
+    let ns = plane.namespace("revoked").await;
+    let group = own_group(&ns);
+    plane
+        .install_crds(&[crd(&group, "widgets", "Widget")])
+        .await;
+    let resource = widgets(&group);
+    for name in ["w1", "w2"] {
+        create(plane, &resource, &ns, widget(&group, &ns, name, "red")).await;
+    }
+    let mut values = widget_values(&group, &ns, "30s");
+    values["extraEnv"] = json!([
+        { "name": "CRD_BROKER_READINESS_INTERVAL", "value": "300ms" },
+        { "name": "CRD_BROKER_MAX_STALENESS", "value": "3s" },
+    ]);
+    let broker = plane.deploy(&ns, values).await;
+    let mut client = connect(broker.grpc).await;
+    let w1 = format!("widgets.{group}/{ns}/w1");
+    let w2 = format!("widgets.{group}/{ns}/w2");
+    let mut open = subscribe(&mut client, &[&w1]).await;
+    assert_eq!(next(&mut open).await.event(), Event::Snapshot);
+
+    // The chart's RoleBinding removed: the broker may no longer list or watch widgets here.
+    let bindings: Api<k8s_openapi::api::rbac::v1::RoleBinding> =
+        Api::namespaced(plane.admin().await, &ns);
+    let binding = bindings.get(&ns).await.unwrap();
+    bindings
+        .delete(&ns, &DeleteParams::default())
+        .await
+        .unwrap();
+    // Like an outage of the API server: ready, serving what it knows, for --max-staleness, and
+    // saying why; then not ready.
+    eventually(
+        "the broker says it may not list its kinds",
+        WAIT,
+        async || {
+            matches!(broker.readiness().await,
+            Some((200, reason)) if reason.contains(&format!("may not list widgets.{group}")))
+        },
+    )
+    .await;
+    eventually("not ready after --max-staleness", WAIT, async || {
+        matches!(broker.readiness().await, Some((503, _)))
+    })
+    .await;
+    // A resource it does not watch yet is refused, with the reason.
+    let refused = match client.subscribe(request(&[&w2])).await {
+        Ok(response) => ended(&mut response.into_inner()).await,
+        Err(status) => status,
+    };
+    assert_eq!(refused.code(), tonic::Code::PermissionDenied, "{refused:?}");
+    // The watch already open goes on: the API server authorizes a watch when it starts.
+    let api: Api<DynamicObject> = Api::namespaced_with(plane.admin().await, &ns, &resource);
+    api.patch(
+        "w1",
+        &PatchParams::default(),
+        &Patch::Merge(json!({ "spec": { "color": "blue" } })),
+    )
+    .await
+    .unwrap();
+    let update = next(&mut open).await;
+    assert_eq!(
+        (update.event(), object(&update)["spec"]["color"].clone()),
+        (Event::Updated, json!("blue"))
+    );
+
+    // Restored: ready again, and the refused resource is served.
+    let mut restored = binding.clone();
+    restored.metadata.resource_version = None;
+    restored.metadata.uid = None;
+    bindings
+        .create(&PostParams::default(), &restored)
+        .await
+        .unwrap();
+    eventually("ready again", WAIT, async || {
+        matches!(broker.readiness().await, Some((200, _)))
+    })
+    .await;
+    // The refused resource's watch retries with backoff: it is served again at its next try.
+    let restored_at = tokio::time::Instant::now();
+    eventually("the refused resource is served again", WAIT, async || {
+        let Ok(response) = client.subscribe(request(&[&w2])).await else {
+            return false;
+        };
+        let mut s = response.into_inner();
+        matches!(s.message().await, Ok(Some(m)) if m.event() == Event::Snapshot)
+    })
+    .await;
+    eprintln!(
+        "rights restored: ready and serving again within {:?}",
+        restored_at.elapsed()
+    );
+}

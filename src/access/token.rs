@@ -105,7 +105,7 @@ async fn review(client: kube::Client, token: &str, audiences: Vec<String>) -> Re
     let request = TokenReview {
         spec: TokenReviewSpec {
             token: token.to_string(),
-            audiences: Some(audiences),
+            audiences: Some(audiences.clone()),
         },
         ..TokenReview::default()
     };
@@ -131,6 +131,18 @@ async fn review(client: kube::Client, token: &str, audiences: Vec<String>) -> Re
         return Reviewed::Refused(format!(
             "the bearer token was refused: {}",
             crate::selector::quote(&why)
+        ));
+    }
+    // An authenticator that does not check audiences answers without them, and the token may
+    // then be one for the API server itself (which any pod's default token is): only a review
+    // that names one of the broker's audiences says the token was made for the broker.
+    let confirmed = status.audiences.unwrap_or_default();
+    if !confirmed.iter().any(|a| audiences.contains(a)) {
+        return Reviewed::Refused(format!(
+            "the TokenReview did not confirm the bearer token is for {} (it named {}): the API \
+             server's authenticator may not check audiences",
+            audiences.join(", "),
+            crate::selector::quote(&confirmed.join(", "))
         ));
     }
     let user = status.user.unwrap_or_default();

@@ -154,21 +154,39 @@ impl ControlPlane {
         }
     }
 
-    /// A kubeconfig in `dir` for the ServiceAccount `account` of `namespace`, with a token from
-    /// TokenRequest (an hour, for the API server's audience).
-    pub async fn kubeconfig_for(&self, namespace: &str, account: &str, dir: &Path) -> PathBuf {
-        let accounts: Api<ServiceAccount> = Api::namespaced(self.admin().await, namespace);
-        let request: TokenRequest = serde_json::from_value(json!({
-            "spec": { "audiences": [], "expirationSeconds": 3600 }
-        }))
-        .unwrap();
-        let token = accounts
+    /// A token of the ServiceAccount `account` of `namespace` from TokenRequest, for an hour:
+    /// for `audiences` (none: the API server's own), bound to the pod `pod` (its name) if given.
+    pub async fn token(
+        &self,
+        namespace: &str,
+        account: &str,
+        audiences: &[&str],
+        pod: Option<&str>,
+    ) -> String {
+        let client = self.admin().await;
+        let mut spec = json!({ "audiences": audiences, "expirationSeconds": 3600 });
+        if let Some(pod) = pod {
+            let pods: Api<k8s_openapi::api::core::v1::Pod> =
+                Api::namespaced(client.clone(), namespace);
+            let uid = pods.get(pod).await.unwrap().metadata.uid.unwrap();
+            spec["boundObjectRef"] =
+                json!({ "kind": "Pod", "apiVersion": "v1", "name": pod, "uid": uid });
+        }
+        let request: TokenRequest = serde_json::from_value(json!({ "spec": spec })).unwrap();
+        let accounts: Api<ServiceAccount> = Api::namespaced(client, namespace);
+        accounts
             .create_token_request(account, &PostParams::default(), &request)
             .await
             .unwrap()
             .status
-            .unwrap()
-            .token;
+            .and_then(|status| status.token)
+            .expect("TokenRequest gives a token")
+    }
+
+    /// A kubeconfig in `dir` for the ServiceAccount `account` of `namespace`, with a token from
+    /// TokenRequest (an hour, for the API server's audience).
+    pub async fn kubeconfig_for(&self, namespace: &str, account: &str, dir: &Path) -> PathBuf {
+        let token = self.token(namespace, account, &[], None).await;
         let ca = std::fs::read(self.dir.join("pki/ca.crt")).unwrap();
         let path = dir.join(format!("{account}.kubeconfig"));
         let kubeconfig = json!({

@@ -219,6 +219,10 @@ pub struct TokenUser {
     /// Extra attributes, e.g. `authentication.kubernetes.io/pod-name` for a pod-bound token.
     #[serde(default)]
     pub extra: std::collections::BTreeMap<String, Vec<String>>,
+    /// Reviewed by an authenticator that does not check audiences (a webhook that predates
+    /// them, say): authenticated whatever the review asks, with no audiences in the answer.
+    #[serde(default)]
+    pub audience_unaware: bool,
 }
 
 impl TokenUser {
@@ -235,6 +239,7 @@ impl TokenUser {
             ],
             audiences: Vec::new(),
             extra: Default::default(),
+            audience_unaware: false,
         }
     }
 

@@ -197,6 +197,9 @@ fn token(shared: &Shared, spec: &Value) -> Result<Value> {
             "error": "[invalid bearer token, token lookup failed]",
         }));
     };
+    if user.audience_unaware {
+        return Ok(json!({ "authenticated": true, "user": user_info(&user) }));
+    }
     let has: Vec<String> = if user.audiences.is_empty() {
         vec![API_SERVER_AUDIENCE.to_string()]
     } else {
@@ -214,12 +217,17 @@ fn token(shared: &Shared, spec: &Value) -> Result<Value> {
             "error": format!("[invalid bearer token, token audiences {has:?} is invalid for the target audiences {target:?}]"),
         }));
     }
-    let mut user_info = json!({ "username": user.username, "groups": user.groups });
+    Ok(json!({ "authenticated": true, "user": user_info(&user), "audiences": granted }))
+}
+
+/// A TokenReview's `status.user` for `user`.
+fn user_info(user: &crate::TokenUser) -> Value {
+    let mut info = json!({ "username": user.username, "groups": user.groups });
     if !user.uid.is_empty() {
-        user_info["uid"] = json!(user.uid);
+        info["uid"] = json!(user.uid);
     }
     if !user.extra.is_empty() {
-        user_info["extra"] = json!(user.extra);
+        info["extra"] = json!(user.extra);
     }
-    Ok(json!({ "authenticated": true, "user": user_info, "audiences": granted }))
+    info
 }
