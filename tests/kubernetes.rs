@@ -495,3 +495,292 @@ async fn rights_revoked_while_serving_are_reported_and_recovered_from_when_resto
         restored_at.elapsed()
     );
 }
+
+/// The FeatureFlag CRD as the OpenFeature Operator installs it.
+fn feature_flag_crd() -> Value {
+    crd_broker::yaml::from_str(support::CRD).unwrap()
+}
+
+/// The broker's values for serving FeatureFlags in `namespace` alone.
+fn flag_values(namespace: &str) -> Value {
+    json!({
+        "watchNamespaces": [namespace],
+        "linger": "30s",
+        "access": { "identity": "none" },
+    })
+}
+
+fn feature_flags() -> ApiResource {
+    ApiResource {
+        group: "core.openfeature.dev".into(),
+        version: "v1beta1".into(),
+        api_version: "core.openfeature.dev/v1beta1".into(),
+        kind: "FeatureFlag".into(),
+        plural: "featureflags".into(),
+    }
+}
+
+#[tokio::test]
+async fn the_python_flagd_provider_evaluates_flags_from_the_real_server_and_their_changes() {
+    use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
+    let plane = control_plane();
+    let ns = plane.namespace("flagd-provider").await;
+    plane.install_crds(&[feature_flag_crd()]).await;
+    plane.apply(&[flag_in(&ns, "demo", "on")]).await;
+    let broker = plane.deploy(&ns, flag_values(&ns)).await;
+
+    let mut provider =
+        tokio::process::Command::new(python_with("openfeature.contrib.provider.flagd"))
+            .arg(concat!(
+                env!("CARGO_MANIFEST_DIR"),
+                "/tests/python/flagd_evaluate.py"
+            ))
+            .env("FLAGD_RESOLVER", "in-process")
+            .env("FLAGD_HOST", "127.0.0.1")
+            .env("FLAGD_PORT", broker.grpc.port().to_string())
+            .env(
+                "FLAGD_SOURCE_SELECTOR",
+                format!("core.openfeature.dev/{ns}/demo"),
+            )
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("python runs");
+    let mut stdin = provider.stdin.take().unwrap();
+    let mut lines = tokio::io::BufReader::new(provider.stdout.take().unwrap()).lines();
+    let mut said = async || {
+        tokio::time::timeout(Duration::from_secs(60), lines.next_line())
+            .await
+            .expect("the provider answers")
+            .unwrap()
+            .expect("the provider runs")
+    };
+    assert!(said().await.starts_with("ready "));
+    stdin.write_all(b"expect f true\n").await.unwrap();
+    assert!(
+        said().await.starts_with("seen "),
+        "f is on, as the FeatureFlag says"
+    );
+
+    // Turned off on the API server: the provider evaluates the change within 2 s.
+    let api: Api<DynamicObject> = Api::namespaced_with(plane.admin().await, &ns, &feature_flags());
+    let edited = tokio::time::Instant::now();
+    api.patch(
+        "demo",
+        &PatchParams::default(),
+        &Patch::Merge(variant_patch("off")),
+    )
+    .await
+    .unwrap();
+    stdin.write_all(b"expect f false\n").await.unwrap();
+    let seen = said().await;
+    assert!(seen.starts_with("seen "), "the change is evaluated: {seen}");
+    let took = edited.elapsed();
+    assert!(
+        took < Duration::from_secs(2),
+        "the change took {took:?} to evaluate"
+    );
+    eprintln!("an edit on the API server evaluated by the provider after {took:?}");
+}
+
+#[tokio::test]
+async fn flagd_sync_fetch_and_the_merged_set_selector_on_the_real_server() {
+    use crd_broker::pb::flagd;
+    use crd_broker::pb::flagd::flag_sync_service_client::FlagSyncServiceClient;
+    let plane = control_plane();
+    let ns = plane.namespace("flagd-sets").await;
+    plane.install_crds(&[feature_flag_crd()]).await;
+    let labelled = |name: &str, key: &str| {
+        let mut f = flag_in(&ns, name, "on");
+        f["metadata"]["labels"] = json!({ "app": "checkout" });
+        let flags = f["spec"]["flagSpec"]["flags"]["f"].clone();
+        f["spec"]["flagSpec"]["flags"] = json!({ key: flags });
+        f
+    };
+    plane
+        .apply(&[
+            flag_in(&ns, "demo", "on"),
+            labelled("a", "from-a"),
+            labelled("b", "from-b"),
+        ])
+        .await;
+    let broker = plane.deploy(&ns, flag_values(&ns)).await;
+    let mut client = FlagSyncServiceClient::connect(format!("http://{}", broker.grpc))
+        .await
+        .unwrap();
+
+    let one = format!("core.openfeature.dev/{ns}/demo");
+    let mut sync = client
+        .sync_flags(flagd::SyncFlagsRequest {
+            provider_id: String::new(),
+            selector: one.clone(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let first = sync.message().await.unwrap().unwrap();
+    let config: Value = serde_json::from_str(&first.flag_configuration).unwrap();
+    assert_eq!(config["flags"]["f"]["defaultVariant"], "on");
+    let fetched = client
+        .fetch_all_flags(flagd::FetchAllFlagsRequest {
+            provider_id: String::new(),
+            selector: one,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let fetched: Value = serde_json::from_str(&fetched.flag_configuration).unwrap();
+    assert_eq!(
+        fetched["flags"], config["flags"],
+        "FetchAllFlags serves what SyncFlags does"
+    );
+
+    let set = format!("core.openfeature.dev/{ns}?labelSelector=app%3Dcheckout");
+    let mut merged = client
+        .sync_flags(flagd::SyncFlagsRequest {
+            provider_id: String::new(),
+            selector: set,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let config: Value =
+        serde_json::from_str(&merged.message().await.unwrap().unwrap().flag_configuration).unwrap();
+    let keys: Vec<&String> = config["flags"].as_object().unwrap().keys().collect();
+    assert_eq!(
+        keys,
+        ["from-a", "from-b"],
+        "the labelled FeatureFlags, merged: {config}"
+    );
+}
+
+/// `count` widgets `w0`… in `ns`.
+async fn many_widgets(plane: &ControlPlane, group: &str, ns: &str, count: usize) -> Vec<String> {
+    use futures::StreamExt;
+    let resource = widgets(group);
+    let names: Vec<String> = (0..count).map(|i| format!("w{i}")).collect();
+    futures::stream::iter(&names)
+        .for_each_concurrent(16, |name| {
+            create(plane, &resource, ns, widget(group, ns, name, "red"))
+        })
+        .await;
+    names
+}
+
+#[tokio::test]
+async fn past_the_threshold_one_namespace_watch_feeds_every_name_and_below_half_a_watch_each_again()
+{
+    let plane = control_plane();
+    let ns = plane.namespace("granularity").await;
+    let group = own_group(&ns);
+    plane
+        .install_crds(&[crd(&group, "widgets", "Widget")])
+        .await;
+    let names = many_widgets(plane, &group, &ns, 200).await;
+    let broker = plane.deploy(&ns, widget_values(&group, &ns, "1s")).await;
+    // 150 of 200 names: past --namespace-watch-threshold (100), and far more than a quarter.
+    let a = subscribe_all(&broker, &group, &ns, &names[..100]).await;
+    let b = subscribe_all(&broker, &group, &ns, &names[100..140]).await;
+    let c = subscribe_all(&broker, &group, &ns, &names[140..150]).await;
+    eventually("one namespace watch on the API server", WAIT, async || {
+        plane.open_watches(&group, "widgets").await == 1.0
+    })
+    .await;
+    // 50 left: not below half the threshold, so the namespace watch stays.
+    drop(a);
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(plane.open_watches(&group, "widgets").await, 1.0);
+    // 10 left: a watch per name again.
+    drop(b);
+    eventually("a watch per name on the API server", WAIT, async || {
+        plane.open_watches(&group, "widgets").await == 10.0
+    })
+    .await;
+    drop(c);
+}
+
+#[tokio::test]
+async fn a_role_that_names_objects_lets_the_broker_serve_those_and_only_those() {
+    let plane = control_plane();
+    let ns = plane.namespace("resource-names").await;
+    let group = own_group(&ns);
+    plane
+        .install_crds(&[crd(&group, "widgets", "Widget")])
+        .await;
+    many_widgets(plane, &group, &ns, 3).await;
+    // The chart's Role, narrowed to two names.
+    let mut broker = plane.launch(&ns, widget_values(&group, &ns, "30s")).await;
+    plane
+        .apply(&[json!({
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "Role",
+            "metadata": { "name": ns, "namespace": ns },
+            "rules": [{
+                "apiGroups": [group], "resources": ["widgets"],
+                "resourceNames": ["w0", "w1"], "verbs": ["get", "list", "watch"],
+            }],
+        })])
+        .await;
+    broker.wait_ready().await;
+    let mut client = connect(broker.grpc).await;
+    for name in ["w0", "w1"] {
+        let mut s = subscribe(&mut client, &[&format!("widgets.{group}/{ns}/{name}")]).await;
+        assert_eq!(next(&mut s).await.event(), Event::Snapshot, "{name}");
+    }
+    let other = match client
+        .subscribe(request(&[&format!("widgets.{group}/{ns}/w2")]))
+        .await
+    {
+        Ok(response) => ended(&mut response.into_inner()).await,
+        Err(status) => status,
+    };
+    assert_eq!(other.code(), tonic::Code::PermissionDenied, "{other:?}");
+}
+
+#[tokio::test]
+async fn peer_pod_identifies_a_caller_by_a_real_pod_s_ip() {
+    let plane = control_plane();
+    let ns = plane.namespace("peer-pod").await;
+    let group = own_group(&ns);
+    plane
+        .install_crds(&[crd(&group, "widgets", "Widget")])
+        .await;
+    many_widgets(plane, &group, &ns, 1).await;
+    // A pod at 127.0.0.17: no kubelet here, so its IP is written through pods/status, as a
+    // kubelet reports it.
+    let ip = "127.0.0.17";
+    plane
+        .apply(&[
+            json!({ "apiVersion": "v1", "kind": "ServiceAccount", "metadata": { "name": "app", "namespace": ns } }),
+            json!({ "apiVersion": "v1", "kind": "Pod", "metadata": { "name": "app", "namespace": ns },
+                "spec": { "serviceAccountName": "app", "containers": [{ "name": "app", "image": "app" }] } }),
+        ])
+        .await;
+    let pods: Api<k8s_openapi::api::core::v1::Pod> = Api::namespaced(plane.admin().await, &ns);
+    pods.patch_status(
+        "app",
+        &PatchParams::default(),
+        &Patch::Merge(
+            json!({ "status": { "phase": "Running", "podIP": ip, "podIPs": [{ "ip": ip }] } }),
+        ),
+    )
+    .await
+    .unwrap();
+    let mut values = widget_values(&group, &ns, "30s");
+    values["access"] = json!({ "identity": "peer-pod" });
+    let broker = plane.deploy(&ns, values).await;
+    let selector = format!("widgets.{group}/{ns}/w0");
+
+    let mut pod = connect_from(broker.grpc, ip).await;
+    let mut s = subscribe(&mut pod, &[&selector]).await;
+    assert_eq!(
+        next(&mut s).await.event(),
+        Event::Snapshot,
+        "the pod reads its namespace"
+    );
+
+    let mut stranger = connect_from(broker.grpc, "127.0.0.18").await;
+    let refused = stranger.subscribe(request(&[&selector])).await.unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::Unauthenticated, "{refused:?}");
+}
