@@ -784,3 +784,90 @@ async fn peer_pod_identifies_a_caller_by_a_real_pod_s_ip() {
     let refused = stranger.subscribe(request(&[&selector])).await.unwrap_err();
     assert_eq!(refused.code(), tonic::Code::Unauthenticated, "{refused:?}");
 }
+
+#[tokio::test]
+async fn a_version_no_longer_served_fails_its_subscribers_and_flagd_follows_the_new_one() {
+    use crd_broker::pb::flagd;
+    use crd_broker::pb::flagd::flag_sync_service_client::FlagSyncServiceClient;
+    // A control plane of its own: this test changes the FeatureFlag CRD others use.
+    let plane = tokio::task::spawn_blocking(|| support::control_plane::start("127.0.0.1"))
+        .await
+        .unwrap();
+    let ns = plane.namespace("version-moved").await;
+    let mut crd = feature_flag_crd();
+    plane.install_crds(std::slice::from_ref(&crd)).await;
+    plane.apply(&[flag_in(&ns, "demo", "on")]).await;
+    let broker = plane.deploy(&ns, flag_values(&ns)).await;
+    let mut client = connect(broker.grpc).await;
+    let mut native = subscribe(
+        &mut client,
+        &[&format!("featureflags.core.openfeature.dev/{ns}/demo")],
+    )
+    .await;
+    let first = next(&mut native).await;
+    assert_eq!(object(&first)["apiVersion"], "core.openfeature.dev/v1beta1");
+    let selector = format!("core.openfeature.dev/{ns}/demo");
+    let sync = |selector: String| async move {
+        let mut flagd = FlagSyncServiceClient::connect(format!("http://{}", broker.grpc))
+            .await
+            .unwrap();
+        flagd
+            .sync_flags(flagd::SyncFlagsRequest {
+                provider_id: String::new(),
+                selector,
+            })
+            .await
+            .map(tonic::Response::into_inner)
+    };
+    let mut sidecar = sync(selector.clone()).await.unwrap();
+    sidecar.message().await.unwrap().unwrap();
+
+    // The CRD moves on: v1 served (and stored), v1beta1 no longer served.
+    let mut v1 = crd["spec"]["versions"][0].clone();
+    v1["name"] = json!("v1");
+    crd["spec"]["versions"][0]["served"] = json!(false);
+    crd["spec"]["versions"][0]["storage"] = json!(false);
+    crd["spec"]["versions"].as_array_mut().unwrap().push(v1);
+    plane.install_crds(&[crd]).await;
+
+    // The native subscriber is told, with the reason; the flagd stream ends, so that the
+    // sidecar reconnects.
+    let failed = next(&mut native).await;
+    assert_eq!(failed.event(), Event::Failed);
+    assert_eq!(
+        tonic::Code::from_i32(failed.error_code),
+        tonic::Code::NotFound,
+        "{failed:?}"
+    );
+    let ended = tokio::time::timeout(WAIT, async {
+        loop {
+            match sidecar.message().await {
+                Ok(Some(_)) => continue,
+                Ok(None) => return None,
+                Err(status) => return Some(status),
+            }
+        }
+    })
+    .await
+    .expect("the flagd stream ends");
+    assert_eq!(ended.map(|s| s.code()), Some(tonic::Code::NotFound));
+
+    // Reconnecting, flagd's selector (which names no version) resolves to the new one.
+    eventually("flagd is served again, at v1", WAIT, async || {
+        let Ok(mut again) = sync(selector.clone()).await else {
+            return false;
+        };
+        matches!(again.message().await, Ok(Some(m))
+            if serde_json::from_str::<Value>(&m.flag_configuration).unwrap()["flags"]["f"]["defaultVariant"] == "on")
+    })
+    .await;
+    let mut fresh = subscribe(
+        &mut client,
+        &[&format!("featureflags.core.openfeature.dev/{ns}/demo")],
+    )
+    .await;
+    assert_eq!(
+        object(&next(&mut fresh).await)["apiVersion"],
+        "core.openfeature.dev/v1"
+    );
+}

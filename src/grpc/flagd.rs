@@ -172,10 +172,12 @@ pub enum Target {
     Set(crate::source::Set),
 }
 
+/// FeatureFlags at the version the API server prefers (discovery says which): not pinned, so
+/// that a CRD that moves on to another version is followed.
 fn featureflags() -> KindRef {
     KindRef {
         resource: "featureflags".into(),
-        version: Some("v1beta1".into()),
+        version: None,
         group: "core.openfeature.dev".into(),
     }
 }
@@ -293,15 +295,21 @@ impl<S: Source> FlagdCore<S> {
     ) -> Result<(tokio::sync::watch::Receiver<super::sets::Members>, Ticket), Status> {
         let probe = set.member("set");
         self.access.precheck(caller, &probe)?;
-        self.registry
+        let resolved = self
+            .registry
             .resolve(&probe)
             .await
             .map_err(|e| source_status(0, &e))?;
         self.access.authorize(caller, &probe)?;
         let ticket = self.access.admit(caller, &[probe], 1)?;
+        // The kind as the source serves it now (its preferred version).
+        let set = crate::source::Set {
+            kind: resolved.kind,
+            ..set.clone()
+        };
         let members = self
             .sets
-            .subscribe(self.registry.source(), set, self.registry.linger());
+            .subscribe(self.registry.source(), &set, self.registry.linger());
         Ok((members, ticket))
     }
 
@@ -518,7 +526,9 @@ fn configurations(
     move |state| {
         let wire = match state {
             State::Pending => return Next::Wait,
-            State::Failed(e) if last.is_none() && !e.is_outage() => {
+            // Failed before anything was sent, or the kind is no longer served: the stream
+            // ends, and a flagd client reconnects and resolves its selector again.
+            State::Failed(e) if (last.is_none() && !e.is_outage()) || e.is_gone() => {
                 return Next::Fail(source_status(0, e));
             }
             State::Failed(_) => return Next::Wait,
@@ -627,15 +637,10 @@ mod tests {
             "core.openfeature.dev/b/two",
         )
         .unwrap();
-        assert_eq!(
-            s.to_string(),
-            "featureflags.v1beta1.core.openfeature.dev/a/one"
-        );
+        // No version: the API server's preferred one is resolved later.
+        assert_eq!(s.to_string(), "featureflags.core.openfeature.dev/a/one");
         let s = selector(&meta(None), "core.openfeature.dev/b/two").unwrap();
-        assert_eq!(
-            s.to_string(),
-            "featureflags.v1beta1.core.openfeature.dev/b/two"
-        );
+        assert_eq!(s.to_string(), "featureflags.core.openfeature.dev/b/two");
     }
 
     #[test]

@@ -465,6 +465,8 @@ pub(crate) fn step(sent: &Sent, state: &State) -> Step {
         // The source retries: the subscriber waits for its answer.
         (State::Failed(e), Sent::Nothing) if e.is_outage() => Step::Skip,
         (State::Failed(e), Sent::Nothing) => Step::Fail(e.clone()),
+        // The kind is no longer served: the last state sent will not change again.
+        (State::Failed(e), _) if e.is_gone() => Step::Fail(e.clone()),
         (State::Failed(_), _) => Step::Skip,
         (State::Present(now), Sent::Present(was)) if Arc::ptr_eq(now, was) => Step::Skip,
         (State::Present(now), Sent::Present(was)) if now.object.uid == was.object.uid => {
@@ -503,6 +505,8 @@ fn native_messages(
             }
             let status = source_status(index as usize, &error);
             failed = Some(error);
+            // Should the kind be served again, the resource is sent afresh.
+            sent = Sent::Nothing;
             Next::Send(Frame {
                 index,
                 event: Event::Failed,

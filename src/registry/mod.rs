@@ -474,7 +474,14 @@ async fn run_watch<S: Source>(
                 idle_until = None;
             }
             item = updates.next() => match item {
-                Some(item) => publish(&tx, &stats, &inner.metrics, &labels, item),
+                Some(item) => {
+                    if let Err(error) = &item
+                        && error.is_gone()
+                    {
+                        inner.source.forget(&selector.kind);
+                    }
+                    publish(&tx, &stats, &inner.metrics, &labels, item)
+                }
                 None => {
                     // Sources retry by themselves and do not end; if one does, start it again.
                     tracing::warn!("the source's watch ended; restarting it");
@@ -566,8 +573,9 @@ fn publish(
             };
             metrics.watch.errors.get_or_create(&error_labels).inc();
             tracing::warn!(%error, "source error; the source retries");
-            // Only a resource nobody has seen yet is reported as failed; otherwise subscribers
-            // keep the last known state while the source recovers.
+            // Only a resource nobody has seen yet is reported as failed, or one whose kind is
+            // no longer served (its state will not change again); otherwise subscribers keep
+            // the last known state while the source recovers.
             tx.send_if_modified(|state| match state {
                 State::Pending => {
                     *state = State::Failed(error);
@@ -577,7 +585,12 @@ fn publish(
                     *state = State::Failed(error);
                     true
                 }
-                _ => false,
+                State::Failed(_) => false,
+                State::Present(_) | State::Absent { .. } if error.is_gone() => {
+                    *state = State::Failed(error);
+                    true
+                }
+                State::Present(_) | State::Absent { .. } => false,
             });
             false
         }

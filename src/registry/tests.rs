@@ -23,6 +23,7 @@ struct Script {
     feeds: Mutex<HashMap<Selector, Vec<Feed>>>,
     started: AtomicUsize,
     live: Arc<AtomicUsize>,
+    forgotten: AtomicUsize,
 }
 
 #[derive(Clone, Default)]
@@ -43,6 +44,10 @@ impl Source for Scripted {
 
     async fn check(&self) -> Result<(), String> {
         Ok(())
+    }
+
+    fn forget(&self, _: &crate::selector::KindRef) {
+        self.0.forgotten.fetch_add(1, Ordering::SeqCst);
     }
 
     fn watch(&self, selector: &Selector) -> BoxStream<'static, Result<Observed, SourceError>> {
@@ -74,6 +79,10 @@ impl Scripted {
 
     fn started(&self) -> usize {
         self.0.started.load(Ordering::SeqCst)
+    }
+
+    fn forgotten(&self) -> usize {
+        self.0.forgotten.load(Ordering::SeqCst)
     }
 
     fn live(&self) -> usize {
@@ -281,6 +290,26 @@ async fn errors_fail_a_resource_nobody_has_seen_and_keep_a_known_state() {
         "the known state stays"
     );
     assert_eq!(registry.watches()[0].errors, 2);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_kind_no_longer_served_fails_its_known_state_and_is_forgotten_by_the_source() {
+    let (registry, source, _shutdown) = registry(Duration::from_secs(30));
+    let mut a = registry.subscribe(&sel("a"));
+    settle().await;
+    source.send(&sel("a"), present("u", 3));
+    assert!(a.changed().await);
+    source.send(&sel("a"), Err(SourceError::Forbidden("no".into())));
+    settle().await;
+    assert_eq!(rv_of(&a.current()).as_deref(), Some("3"), "forbidden: kept");
+    // The version watched stopped being served: the last state will not change again.
+    source.send(&sel("a"), Err(SourceError::UnknownKind("gone".into())));
+    assert!(a.changed().await);
+    assert!(matches!(
+        a.current(),
+        State::Failed(SourceError::UnknownKind(_))
+    ));
+    assert_eq!(source.forgotten(), 1, "the source asks discovery again");
 }
 
 #[tokio::test(start_paused = true)]

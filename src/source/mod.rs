@@ -81,6 +81,13 @@ impl SourceError {
         matches!(self, SourceError::Unavailable(_))
     }
 
+    /// Whether the source no longer serves the kind at all (at the version watched): a CRD
+    /// deleted, or a version it stopped serving. A subscriber is told, even one that has its
+    /// state: the state will not change again.
+    pub fn is_gone(&self) -> bool {
+        matches!(self, SourceError::UnknownKind(_))
+    }
+
     /// Every [`SourceError::reason`].
     pub const REASONS: [&str; 5] = [
         "unknown_kind",
@@ -217,6 +224,13 @@ pub trait Source: Send + Sync + 'static {
     /// What its client counts of its requests to an API server, if it has one.
     fn api_requests(&self) -> Option<crate::telemetry::ApiRequests> {
         None
+    }
+
+    /// Forgets what it learned of `kind`'s group (its versions, its kinds), after a watch found
+    /// the kind no longer served: the next resolution asks the source again, and finds the
+    /// version it prefers now.
+    fn forget(&self, kind: &KindRef) {
+        let _ = kind;
     }
 
     /// Watches a set: its members when it starts, then each change, retrying by itself until

@@ -383,8 +383,8 @@ pub fn crd(group: &str, plural: &str, kind: &str) -> Value {
 }
 
 impl ControlPlane {
-    /// Applies the CRDs and waits until the API server serves each (its `Established`
-    /// condition, and the kind in discovery).
+    /// Applies the CRDs and waits until the API server serves each (the kind at its first
+    /// served version in discovery).
     pub async fn install_crds(&self, crds: &[Value]) {
         self.apply(crds).await;
         let client = self.admin().await;
@@ -392,7 +392,11 @@ impl ControlPlane {
             let group = crd["spec"]["group"].as_str().unwrap();
             let kind = crd["spec"]["names"]["kind"].as_str().unwrap();
             let versions = crd["spec"]["versions"].as_array().unwrap();
-            let version = versions[0]["name"].as_str().unwrap();
+            let version = versions
+                .iter()
+                .find(|v| v["served"] == true)
+                .and_then(|v| v["name"].as_str())
+                .expect("a served version");
             let gvk = GroupVersionKind::gvk(group, version, kind);
             let found = tokio::time::timeout(std::time::Duration::from_secs(30), async {
                 loop {

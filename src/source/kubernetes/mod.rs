@@ -554,6 +554,14 @@ fn to_object(obj: &DynamicObject) -> Object {
 }
 
 impl Source for Kubernetes {
+    fn forget(&self, kind: &KindRef) {
+        self.groups.remove(&());
+        if let Some(version) = &kind.version {
+            self.group_versions
+                .remove(&format!("{}/{version}", kind.group));
+        }
+    }
+
     fn kinds(&self) -> Vec<String> {
         self.allowed
             .iter()
