@@ -113,8 +113,8 @@ struct Lane {
     open: Arc<Use>,
     /// The peer's `SETTINGS_MAX_CONCURRENT_STREAMS`, as last seen.
     streams: Arc<AtomicUsize>,
-    /// Whether the first response came back, and with it the peer's SETTINGS (a server sends
-    /// them before any response). Until then the connection carries its first request alone.
+    /// Whether the peer's SETTINGS are in (a server sends them before any response), so that
+    /// `streams` is its limit. Until then the connection carries its first request alone.
     settled: tokio::sync::watch::Receiver<bool>,
 }
 
@@ -122,7 +122,7 @@ impl Lane {
     fn has_room(&self) -> bool {
         let limit = match *self.settled.borrow() {
             true => self.streams.load(Ordering::Relaxed),
-            false => 1,
+            false => INITIAL_STREAMS,
         };
         self.open.requests.load(Ordering::Relaxed) < limit
     }
@@ -149,11 +149,24 @@ impl Use {
     }
 }
 
-/// Drives an HTTP/2 connection, and publishes its peer's stream limit at every turn.
+/// Drives an HTTP/2 connection, and publishes its peer's stream limit at every turn. The
+/// connection starts with room for one stream ([`INITIAL_STREAMS`]) until the server's SETTINGS
+/// raise it; it is settled once they have (or after [`CONNECT_TIMEOUT`], whatever they say).
 struct Driven<T: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static> {
     connection: http2::Connection<T, Body, TokioExecutor>,
     streams: Arc<AtomicUsize>,
+    settle: Arc<tokio::sync::watch::Sender<bool>>,
+    /// hyper reads the server's frames in a task of its own, which does not wake this one:
+    /// until settled, this one looks again at every tick.
+    tick: Pin<Box<tokio::time::Sleep>>,
+    settle_by: tokio::time::Instant,
 }
+
+/// Streams a new connection may carry before the server's SETTINGS say how many.
+const INITIAL_STREAMS: usize = 1;
+
+/// How often an unsettled connection looks for the server's SETTINGS.
+const SETTLE_TICK: Duration = Duration::from_millis(5);
 
 impl<T> Future for Driven<T>
 where
@@ -164,18 +177,34 @@ where
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<hyper::Result<()>> {
         let done = Pin::new(&mut self.connection).poll(cx);
         let streams = self.connection.current_max_send_streams();
+        // Stored first: whoever sees it settled sees its limit.
         self.streams.store(streams, Ordering::Relaxed);
+        if !*self.settle.borrow() {
+            let now = tokio::time::Instant::now();
+            if streams > INITIAL_STREAMS || now >= self.settle_by {
+                self.settle.send_replace(true);
+            } else {
+                self.tick.as_mut().reset(now + SETTLE_TICK);
+                let _ = self.tick.as_mut().poll(cx);
+            }
+        }
         done
     }
 }
 
-/// Marks a connection settled (if it is the connection's first request's) when dropped.
-struct SettleOnDrop(Option<Arc<tokio::sync::watch::Sender<bool>>>);
+/// The first request of a connection: if it fails (or is given up) before its answer, the
+/// requests waiting for the connection to settle are woken, to look elsewhere.
+struct FirstRequest {
+    settle: Option<Arc<tokio::sync::watch::Sender<bool>>>,
+    answered: bool,
+}
 
-impl Drop for SettleOnDrop {
+impl Drop for FirstRequest {
     fn drop(&mut self) {
-        if let Some(settle) = &self.0 {
-            settle.send_replace(true);
+        if let Some(settle) = &self.settle
+            && !self.answered
+        {
+            settle.send_modify(|_| {});
         }
     }
 }
@@ -258,7 +287,7 @@ type Room = (
 
 impl Shared {
     /// A place for one request on a connection with room; else, if a connection has not
-    /// settled yet, a receiver to wait on (it may have room once it has).
+    /// settled yet, a receiver to wait on (it may have room once it has), which says which.
     fn take_room(&self) -> Result<Room, Option<tokio::sync::watch::Receiver<bool>>> {
         let mut lanes = lock(&self.lanes);
         lanes.retain(|l| !l.sender.is_closed());
@@ -276,29 +305,54 @@ impl Shared {
         Ok((lane.sender.clone(), Slot(lane.open.clone()), None))
     }
 
+    /// A place on a connection with room (`Some(Ok)`); or, where a connection has not settled,
+    /// a wait for it (`Some(Err)`: look again), once per connection, as its first request may be
+    /// slow to answer; `None` when a connection must be opened. A new connection learns its
+    /// stream limit from its first response: waiting for that keeps a burst of requests from
+    /// opening a connection each.
+    async fn room_or_wait(
+        &self,
+        waited: &mut Option<tokio::sync::watch::Receiver<bool>>,
+    ) -> Option<Result<Room, ()>> {
+        match self.take_room() {
+            Ok(room) => Some(Ok(room)),
+            Err(Some(settling)) if !waited.as_ref().is_some_and(|w| w.same_channel(&settling)) => {
+                let mut settling = waited.insert(settling).clone();
+                // Woken when it settles, or when its first request failed.
+                if !*settling.borrow_and_update() {
+                    let _ = tokio::time::timeout(CONNECT_TIMEOUT, settling.changed()).await;
+                }
+                Some(Err(()))
+            }
+            Err(_) => None,
+        }
+    }
+
     /// A place for one request on an HTTP/2 connection, opening one if all are full; `None`
     /// if the server speaks only HTTP/1.1.
     async fn reserve(&self) -> Result<Option<Room>, BoxError> {
-        let mut waited = false;
+        // The connection last waited on, if any.
+        let mut waited: Option<tokio::sync::watch::Receiver<bool>> = None;
         loop {
             if self.http1_only.load(Ordering::Relaxed) {
                 return Ok(None);
             }
-            let _opening = match self.take_room() {
+            match self.room_or_wait(&mut waited).await {
+                Some(Ok(room)) => return Ok(Some(room)),
+                Some(Err(())) => continue,
+                None => {}
+            }
+            let opening = self.opening.lock().await;
+            // Another request may have opened one meanwhile (wait for it without the lock).
+            match self.take_room() {
                 Ok(room) => return Ok(Some(room)),
-                // A new connection learns its stream limit from its first response: wait for
-                // that (once: a first request may be slow to answer) rather than open another
-                // for every request of a burst.
-                Err(Some(mut settling)) if !waited => {
-                    waited = true;
-                    let settled = settling.wait_for(|settled| *settled);
-                    let _ = tokio::time::timeout(CONNECT_TIMEOUT, settled).await;
+                Err(Some(settling))
+                    if !waited.as_ref().is_some_and(|w| w.same_channel(&settling)) =>
+                {
+                    drop(opening);
                     continue;
                 }
-                Err(_) => self.opening.lock().await,
-            };
-            if let Ok(room) = self.take_room() {
-                return Ok(Some(room));
+                Err(_) => {}
             }
             let opened = tokio::time::timeout(CONNECT_TIMEOUT, self.open())
                 .await
@@ -340,12 +394,18 @@ impl Shared {
             .keep_alive_interval(KEEPALIVE_INTERVAL)
             .keep_alive_timeout(KEEPALIVE_TIMEOUT)
             .keep_alive_while_idle(true)
+            .initial_max_send_streams(INITIAL_STREAMS)
             .handshake(TokioIo::new(tls))
             .await?;
-        let streams = Arc::new(AtomicUsize::new(1));
+        let streams = Arc::new(AtomicUsize::new(INITIAL_STREAMS));
+        let (settle, settled) = tokio::sync::watch::channel(false);
+        let settle = Arc::new(settle);
         let driven = Driven {
             connection,
             streams: streams.clone(),
+            settle: settle.clone(),
+            tick: Box::pin(tokio::time::sleep(Duration::ZERO)),
+            settle_by: tokio::time::Instant::now() + CONNECT_TIMEOUT,
         };
         tokio::spawn(async move {
             if let Err(e) = driven.await {
@@ -357,7 +417,6 @@ impl Shared {
         // connection after an anonymous request. The opener's own request goes first.
         sender.ready().await?;
         tracing::debug!("opened an HTTP/2 connection to the API server");
-        let (settle, settled) = tokio::sync::watch::channel(false);
         Ok(Some((
             Lane {
                 sender,
@@ -365,7 +424,7 @@ impl Shared {
                 streams,
                 settled,
             },
-            Arc::new(settle),
+            settle,
         )))
     }
 }
@@ -386,12 +445,14 @@ impl tower::Service<Request<Body>> for Pool {
                 let response = shared.http1.request(request).await?;
                 return Ok(response.map(|body| Tracked { body, _slot: None }));
             };
-            // Settled when the first request is answered, or has failed (then the connection
-            // is likely closed, and dropped from the pool).
-            let settled = SettleOnDrop(settle);
+            let mut first = FirstRequest {
+                settle,
+                answered: false,
+            };
             sender.ready().await?;
             let response = sender.send_request(request).await?;
-            drop(settled);
+            first.answered = true;
+            drop(first);
             Ok(response.map(|body| Tracked {
                 body,
                 _slot: Some(slot),
