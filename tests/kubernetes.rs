@@ -11,53 +11,8 @@ use crd_broker::pb::subscribe_response::Event;
 use kube::api::{Api, DeleteParams, DynamicObject, Patch, PatchParams, PostParams};
 use kube::core::ApiResource;
 use serde_json::{Value, json};
-use support::control_plane::{ControlPlane, Deployed, control_plane, crd};
+use support::control_plane::*;
 use support::*;
-
-/// A kind of this test's own, so that the API server's watch counts (by group and resource)
-/// are this test's alone.
-fn own_group(namespace: &str) -> String {
-    format!("{namespace}.crd-broker.test")
-}
-
-fn widgets(group: &str) -> ApiResource {
-    ApiResource {
-        group: group.to_string(),
-        version: "v1".into(),
-        api_version: format!("{group}/v1"),
-        kind: "Widget".into(),
-        plural: "widgets".into(),
-    }
-}
-
-fn widget(group: &str, namespace: &str, name: &str, color: &str) -> Value {
-    json!({
-        "apiVersion": format!("{group}/v1"),
-        "kind": "Widget",
-        "metadata": { "name": name, "namespace": namespace },
-        "spec": { "color": color },
-    })
-}
-
-async fn create(plane: &ControlPlane, resource: &ApiResource, namespace: &str, object: Value) {
-    let api: Api<DynamicObject> = Api::namespaced_with(plane.admin().await, namespace, resource);
-    api.create(
-        &PostParams::default(),
-        &serde_json::from_value(object).unwrap(),
-    )
-    .await
-    .unwrap();
-}
-
-/// The broker's values for serving widgets of `group` in `namespace` alone, with `linger`.
-fn widget_values(group: &str, namespace: &str, linger: &str) -> Value {
-    json!({
-        "kinds": [{ "group": group, "plural": "widgets", "version": "" }],
-        "watchNamespaces": [namespace],
-        "linger": linger,
-        "access": { "identity": "none" },
-    })
-}
 
 #[tokio::test]
 async fn one_api_watch_is_shared_by_ten_subscribers_and_ends_after_the_linger() {
@@ -261,77 +216,6 @@ async fn a_control_plane_on_ipv6_loopback_is_served_over_http2() {
         connections_of(broker.child.id().unwrap(), port) >= 1,
         "the broker holds its connection to [::1]:{port}"
     );
-}
-
-/// Subscribes to every name of `names` (100 to a stream, as a request takes at most 100) and
-/// waits for each one's SNAPSHOT; the streams, to keep the watches open.
-async fn subscribe_all(
-    broker: &Deployed,
-    group: &str,
-    ns: &str,
-    names: &[String],
-) -> Vec<tonic::Streaming<crd_broker::pb::SubscribeResponse>> {
-    let mut client = connect(broker.grpc).await;
-    let mut streams = Vec::new();
-    for chunk in names.chunks(100) {
-        let selectors: Vec<String> = chunk
-            .iter()
-            .map(|n| format!("widgets.{group}/{ns}/{n}"))
-            .collect();
-        let selectors: Vec<&str> = selectors.iter().map(String::as_str).collect();
-        let mut s = subscribe(&mut client, &selectors).await;
-        for _ in chunk {
-            assert_eq!(next(&mut s).await.event(), Event::Snapshot);
-        }
-        streams.push(s);
-    }
-    streams
-}
-
-#[tokio::test]
-async fn a_thousand_watched_resources_share_a_dozen_http2_connections_and_hold_one_each_without() {
-    use futures::StreamExt;
-    let plane = control_plane();
-    let ns = plane.namespace("http2").await;
-    let group = own_group(&ns);
-    plane
-        .install_crds(&[crd(&group, "widgets", "Widget")])
-        .await;
-    let resource = widgets(&group);
-    let names: Vec<String> = (0..1000).map(|i| format!("w{i}")).collect();
-    futures::stream::iter(&names)
-        .for_each_concurrent(16, |name| {
-            create(plane, &resource, &ns, widget(&group, &ns, name, "red"))
-        })
-        .await;
-    let port: u16 = plane.server.rsplit(':').next().unwrap().parse().unwrap();
-    for (mode, most, least) in [("auto", 12, 1), ("off", usize::MAX, 1000)] {
-        let mut values = widget_values(&group, &ns, "1s");
-        // A watch per name (no switch to one namespace watch), over HTTP/2 or not.
-        values["extraEnv"] = json!([
-            { "name": "CRD_BROKER_NAMESPACE_WATCH_THRESHOLD", "value": "0" },
-            { "name": "CRD_BROKER_API_HTTP2", "value": mode },
-        ]);
-        values["fullnameOverride"] = json!(format!("{ns}-{mode}"));
-        let broker = plane.deploy(&ns, values).await;
-        let streams = subscribe_all(&broker, &group, &ns, &names).await;
-        eventually("the API server serves a watch per name", WAIT, async || {
-            plane.open_watches(&group, "widgets").await == 1000.0
-        })
-        .await;
-        let held = connections_of(broker.child.id().unwrap(), port);
-        assert!(
-            (least..=most).contains(&held),
-            "--api-http2 {mode}: {held} connections for 1,000 watches"
-        );
-        eprintln!("--api-http2 {mode}: 1,000 watches over {held} connections");
-        drop(streams);
-        drop(broker);
-        eventually("the watches end", WAIT, async || {
-            plane.open_watches(&group, "widgets").await == 0.0
-        })
-        .await;
-    }
 }
 
 #[tokio::test]
@@ -653,19 +537,6 @@ async fn flagd_sync_fetch_and_the_merged_set_selector_on_the_real_server() {
         ["from-a", "from-b"],
         "the labelled FeatureFlags, merged: {config}"
     );
-}
-
-/// `count` widgets `w0`… in `ns`.
-async fn many_widgets(plane: &ControlPlane, group: &str, ns: &str, count: usize) -> Vec<String> {
-    use futures::StreamExt;
-    let resource = widgets(group);
-    let names: Vec<String> = (0..count).map(|i| format!("w{i}")).collect();
-    futures::stream::iter(&names)
-        .for_each_concurrent(16, |name| {
-            create(plane, &resource, ns, widget(group, ns, name, "red"))
-        })
-        .await;
-    names
 }
 
 #[tokio::test]

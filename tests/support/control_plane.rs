@@ -9,6 +9,7 @@ use std::process::Command;
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU32, Ordering};
 
+use crd_broker::pb::subscribe_response::Event;
 use k8s_openapi::api::authentication::v1::TokenRequest;
 use k8s_openapi::api::core::v1::{Namespace, ServiceAccount};
 use kube::api::{Api, DynamicObject, Patch, PatchParams, PostParams};
@@ -428,4 +429,97 @@ impl ControlPlane {
             .map(|(_, value)| value)
             .sum()
     }
+}
+
+// === widgets: a kind of each test's own ===
+
+/// A kind of this test's own, so that the API server's watch counts (by group and resource)
+/// are this test's alone.
+pub fn own_group(namespace: &str) -> String {
+    format!("{namespace}.crd-broker.test")
+}
+
+/// Widgets of `group`: a namespaced kind served at v1 with any fields ([`crd`]).
+pub fn widgets(group: &str) -> ApiResource {
+    ApiResource {
+        group: group.to_string(),
+        version: "v1".into(),
+        api_version: format!("{group}/v1"),
+        kind: "Widget".into(),
+        plural: "widgets".into(),
+    }
+}
+
+/// The widget `namespace/name` of `group`, with `spec.color`.
+pub fn widget(group: &str, namespace: &str, name: &str, color: &str) -> Value {
+    json!({
+        "apiVersion": format!("{group}/v1"),
+        "kind": "Widget",
+        "metadata": { "name": name, "namespace": namespace },
+        "spec": { "color": color },
+    })
+}
+
+/// Creates `object`, of `resource`, in `namespace` (as the admin).
+pub async fn create(plane: &ControlPlane, resource: &ApiResource, namespace: &str, object: Value) {
+    let api: Api<DynamicObject> = Api::namespaced_with(plane.admin().await, namespace, resource);
+    api.create(
+        &PostParams::default(),
+        &serde_json::from_value(object).unwrap(),
+    )
+    .await
+    .unwrap();
+}
+
+/// The broker's values for serving widgets of `group` in `namespace` alone, with `linger`.
+pub fn widget_values(group: &str, namespace: &str, linger: &str) -> Value {
+    json!({
+        "kinds": [{ "group": group, "plural": "widgets", "version": "" }],
+        "watchNamespaces": [namespace],
+        "linger": linger,
+        "access": { "identity": "none" },
+    })
+}
+
+/// Subscribes to every name of `names` (100 to a stream, as a request takes at most 100) and
+/// waits for each one's SNAPSHOT; the streams, to keep the watches open.
+pub async fn subscribe_all(
+    broker: &Deployed,
+    group: &str,
+    ns: &str,
+    names: &[String],
+) -> Vec<tonic::Streaming<crd_broker::pb::SubscribeResponse>> {
+    let mut client = super::connect(broker.grpc).await;
+    let mut streams = Vec::new();
+    for chunk in names.chunks(100) {
+        let selectors: Vec<String> = chunk
+            .iter()
+            .map(|n| format!("widgets.{group}/{ns}/{n}"))
+            .collect();
+        let selectors: Vec<&str> = selectors.iter().map(String::as_str).collect();
+        let mut s = super::subscribe(&mut client, &selectors).await;
+        for _ in chunk {
+            assert_eq!(super::next(&mut s).await.event(), Event::Snapshot);
+        }
+        streams.push(s);
+    }
+    streams
+}
+
+/// `count` widgets `w0`… in `ns`.
+pub async fn many_widgets(
+    plane: &ControlPlane,
+    group: &str,
+    ns: &str,
+    count: usize,
+) -> Vec<String> {
+    use futures::StreamExt;
+    let resource = widgets(group);
+    let names: Vec<String> = (0..count).map(|i| format!("w{i}")).collect();
+    futures::stream::iter(&names)
+        .for_each_concurrent(16, |name| {
+            create(plane, &resource, ns, widget(group, ns, name, "red"))
+        })
+        .await;
+    names
 }

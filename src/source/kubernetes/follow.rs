@@ -28,10 +28,14 @@ use crate::source::{Object, Observed, SourceError};
 /// watcher asks the same, under the server's 5–10 minute default).
 const WATCH_TIMEOUT_SECONDS: u32 = 290;
 
-/// The longest a LIST, or a WATCH's response headers, may take: a request the API server
+/// The longest a LIST page, or a WATCH's response headers, may take: a request the API server
 /// accepted and never answers is abandoned and retried (kube's read timeout, meant for quiet
-/// watch bodies, is minutes).
+/// watch bodies, is minutes). A LIST of many pages takes as long as its pages need.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Objects a LIST page holds (client-go's pager asks for as many): a namespace of any size
+/// lists in pages that each come well within [`REQUEST_TIMEOUT`].
+const PAGE: u32 = 500;
 
 /// A watch that ends sooner than this without an error counts as a failure for the backoff, so
 /// a server that closes every watch at once is not asked again in a tight loop.
@@ -208,14 +212,12 @@ impl Follow {
                 }
             }
             match std::mem::replace(&mut self.phase, Phase::List) {
-                Phase::List => match bounded(self.api.list(&self.list)).await {
-                    Ok(list) => {
+                Phase::List => match list_all(&self.api, &self.list).await {
+                    Ok((rv, items)) => {
                         self.backoff.working();
                         self.failing = false;
-                        let rv = list.metadata.resource_version.unwrap_or_default();
                         self.phase = Phase::Watch(rv.clone());
-                        let objects = list
-                            .items
+                        let objects = items
                             .iter()
                             .map(|obj| (self.key_of(obj), to_object(obj)))
                             .collect();
@@ -306,6 +308,25 @@ impl Follow {
         self.phase = retry;
         self.failing = true;
         Event::Failed(error)
+    }
+}
+
+/// Every object `params` select, [`PAGE`] at a time (`limit` and `continue`), each page within
+/// [`REQUEST_TIMEOUT`]; with the resourceVersion of the list, which every page holds as of. A
+/// continue token the API server has compacted away (410) fails the LIST, which starts over.
+async fn list_all(
+    api: &Api<DynamicObject>,
+    params: &ListParams,
+) -> kube::Result<(String, Vec<DynamicObject>)> {
+    let mut page = params.clone().limit(PAGE);
+    let mut items = Vec::new();
+    loop {
+        let list = bounded(api.list(&page)).await?;
+        items.extend(list.items);
+        match list.metadata.continue_.filter(|token| !token.is_empty()) {
+            Some(token) => page = page.continue_token(&token),
+            None => return Ok((list.metadata.resource_version.unwrap_or_default(), items)),
+        }
     }
 }
 
