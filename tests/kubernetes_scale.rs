@@ -91,3 +91,75 @@ async fn a_namespace_of_ten_thousand_lists_in_pages_and_then_the_sparse_rule_app
         "and it stays so"
     );
 }
+
+/// What the API server counted for `group`'s widgets: `apiserver_request_total` by verb, summed
+/// over codes and scopes (folded from 0: a float sum starts at -0).
+async fn server_requests(plane: &ControlPlane, group: &str, verb: &str) -> f64 {
+    let group = format!("group=\"{group}\"");
+    let verb = format!("verb=\"{verb}\"");
+    plane
+        .metrics()
+        .await
+        .iter()
+        .filter(|(series, _)| {
+            series.starts_with("apiserver_request_total{")
+                && series.contains(&group)
+                && series.contains(&verb)
+                && series.contains("resource=\"widgets\"")
+        })
+        .fold(0.0, |sum, (_, v)| sum + v)
+}
+
+#[tokio::test]
+async fn what_the_api_server_sees_for_one_a_hundred_and_a_thousand_resources() {
+    let plane = control_plane();
+    let port: u16 = plane.server.rsplit(':').next().unwrap().parse().unwrap();
+    let mut table = Vec::new();
+    for crs in [1usize, 100, 1000] {
+        let ns = plane.namespace(&format!("claims-{crs}")).await;
+        let group = own_group(&ns);
+        plane
+            .install_crds(&[crd(&group, "widgets", "Widget")])
+            .await;
+        let names = many_widgets(plane, &group, &ns, crs).await;
+        let mut values = widget_values(&group, &ns, "30s");
+        // A watch per name, whatever their number: the claim is one LIST and one WATCH each.
+        values["extraEnv"] =
+            json!([{ "name": "CRD_BROKER_NAMESPACE_WATCH_THRESHOLD", "value": "0" }]);
+        let broker = plane.deploy(&ns, values).await;
+        // Ten subscribers for each resource.
+        let mut streams = Vec::new();
+        for _ in 0..10 {
+            streams.extend(subscribe_all(&broker, &group, &ns, &names).await);
+        }
+        eventually(
+            "a watch per resource",
+            Duration::from_secs(30),
+            async || plane.open_watches(&group, "widgets").await == crs as f64,
+        )
+        .await;
+        // The API server counts a LIST of one name (`fieldSelector=metadata.name=…`) as a GET
+        // of it, and a WATCH when it ends: the watches are those it serves now and those ended.
+        let open = plane.open_watches(&group, "widgets").await;
+        let (lists, watches) = (
+            server_requests(plane, &group, "LIST").await
+                + server_requests(plane, &group, "GET").await,
+            server_requests(plane, &group, "WATCH").await + open,
+        );
+        let connections = connections_of(broker.child.id().unwrap(), port);
+        table.push(format!(
+            "| {crs} | {} | {lists} | {watches} | {open} | {connections} |",
+            crs * 10
+        ));
+        assert_eq!(lists, crs as f64, "one LIST per resource");
+        assert_eq!(watches, crs as f64, "one WATCH per resource");
+        assert!(
+            connections <= crs.div_ceil(100) + 1,
+            "{connections} connections"
+        );
+    }
+    eprintln!(
+        "| CRs | subscribers | LISTs | WATCHes | watches open | connections |\n|---|---|---|---|---|---|\n{}",
+        table.join("\n")
+    );
+}
