@@ -17,12 +17,7 @@ use support::*;
 #[tokio::test]
 async fn one_api_watch_is_shared_by_ten_subscribers_and_ends_after_the_linger() {
     let plane = control_plane();
-    let ns = plane.namespace("one-watch").await;
-    let group = own_group(&ns);
-    plane
-        .install_crds(&[crd(&group, "widgets", "Widget")])
-        .await;
-    let resource = widgets(&group);
+    let (ns, group, resource) = widget_world(plane, "one-watch").await;
     create(plane, &resource, &ns, widget(&group, &ns, "w1", "red")).await;
     let broker = plane.deploy(&ns, widget_values(&group, &ns, "3s")).await;
     assert_eq!(plane.open_watches(&group, "widgets").await, 0.0);
@@ -85,12 +80,7 @@ async fn one_api_watch_is_shared_by_ten_subscribers_and_ends_after_the_linger() 
 #[tokio::test]
 async fn a_resource_created_later_is_served_through_its_life() {
     let plane = control_plane();
-    let ns = plane.namespace("created-later").await;
-    let group = own_group(&ns);
-    plane
-        .install_crds(&[crd(&group, "widgets", "Widget")])
-        .await;
-    let resource = widgets(&group);
+    let (ns, group, resource) = widget_world(plane, "created-later").await;
     let broker = plane.deploy(&ns, widget_values(&group, &ns, "30s")).await;
     let mut client = connect(broker.grpc).await;
     let mut s = subscribe(&mut client, &[&format!("widgets.{group}/{ns}/later")]).await;
@@ -193,11 +183,7 @@ async fn a_control_plane_on_ipv6_loopback_is_served_over_http2() {
         "{}",
         plane.server
     );
-    let ns = plane.namespace("ipv6").await;
-    let group = own_group(&ns);
-    plane
-        .install_crds(&[crd(&group, "widgets", "Widget")])
-        .await;
+    let (ns, group, _) = widget_world(&plane, "ipv6").await;
     create(
         &plane,
         &widgets(&group),
@@ -222,11 +208,7 @@ async fn a_control_plane_on_ipv6_loopback_is_served_over_http2() {
 async fn a_pod_bound_token_for_the_brokers_audience_identifies_its_caller_by_the_real_token_review()
 {
     let plane = control_plane();
-    let ns = plane.namespace("token").await;
-    let group = own_group(&ns);
-    plane
-        .install_crds(&[crd(&group, "widgets", "Widget")])
-        .await;
+    let (ns, group, _) = widget_world(plane, "token").await;
     create(
         plane,
         &widgets(&group),
@@ -287,12 +269,7 @@ async fn a_pod_bound_token_for_the_brokers_audience_identifies_its_caller_by_the
 #[tokio::test]
 async fn rights_revoked_while_serving_are_reported_and_recovered_from_when_restored() {
     let plane = control_plane();
-    let ns = plane.namespace("revoked").await;
-    let group = own_group(&ns);
-    plane
-        .install_crds(&[crd(&group, "widgets", "Widget")])
-        .await;
-    let resource = widgets(&group);
+    let (ns, group, resource) = widget_world(plane, "revoked").await;
     for name in ["w1", "w2"] {
         create(plane, &resource, &ns, widget(&group, &ns, name, "red")).await;
     }
@@ -543,11 +520,7 @@ async fn flagd_sync_fetch_and_the_merged_set_selector_on_the_real_server() {
 async fn past_the_threshold_one_namespace_watch_feeds_every_name_and_below_half_a_watch_each_again()
 {
     let plane = control_plane();
-    let ns = plane.namespace("granularity").await;
-    let group = own_group(&ns);
-    plane
-        .install_crds(&[crd(&group, "widgets", "Widget")])
-        .await;
+    let (ns, group, _) = widget_world(plane, "granularity").await;
     let names = many_widgets(plane, &group, &ns, 200).await;
     let broker = plane.deploy(&ns, widget_values(&group, &ns, "1s")).await;
     // 150 of 200 names: past --namespace-watch-threshold (100), and far more than a quarter.
@@ -574,11 +547,7 @@ async fn past_the_threshold_one_namespace_watch_feeds_every_name_and_below_half_
 #[tokio::test]
 async fn a_role_that_names_objects_lets_the_broker_serve_those_and_only_those() {
     let plane = control_plane();
-    let ns = plane.namespace("resource-names").await;
-    let group = own_group(&ns);
-    plane
-        .install_crds(&[crd(&group, "widgets", "Widget")])
-        .await;
+    let (ns, group, _) = widget_world(plane, "resource-names").await;
     many_widgets(plane, &group, &ns, 3).await;
     // The chart's Role, narrowed to two names.
     let mut broker = plane.launch(&ns, widget_values(&group, &ns, "30s")).await;
@@ -612,11 +581,7 @@ async fn a_role_that_names_objects_lets_the_broker_serve_those_and_only_those() 
 #[tokio::test]
 async fn peer_pod_identifies_a_caller_by_a_real_pod_s_ip() {
     let plane = control_plane();
-    let ns = plane.namespace("peer-pod").await;
-    let group = own_group(&ns);
-    plane
-        .install_crds(&[crd(&group, "widgets", "Widget")])
-        .await;
+    let (ns, group, _) = widget_world(plane, "peer-pod").await;
     many_widgets(plane, &group, &ns, 1).await;
     // A pod at 127.0.0.17: no kubelet here, so its IP is written through pods/status, as a
     // kubelet reports it.

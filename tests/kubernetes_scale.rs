@@ -14,12 +14,7 @@ use support::*;
 async fn a_thousand_watched_resources_share_a_dozen_http2_connections_and_hold_one_each_without() {
     use futures::StreamExt;
     let plane = control_plane();
-    let ns = plane.namespace("http2").await;
-    let group = own_group(&ns);
-    plane
-        .install_crds(&[crd(&group, "widgets", "Widget")])
-        .await;
-    let resource = widgets(&group);
+    let (ns, group, resource) = widget_world(plane, "http2").await;
     let names: Vec<String> = (0..1000).map(|i| format!("w{i}")).collect();
     futures::stream::iter(&names)
         .for_each_concurrent(16, |name| {
@@ -59,11 +54,7 @@ async fn a_thousand_watched_resources_share_a_dozen_http2_connections_and_hold_o
 #[tokio::test]
 async fn a_namespace_of_ten_thousand_lists_in_pages_and_then_the_sparse_rule_applies() {
     let plane = control_plane();
-    let ns = plane.namespace("ten-thousand").await;
-    let group = own_group(&ns);
-    plane
-        .install_crds(&[crd(&group, "widgets", "Widget")])
-        .await;
+    let (ns, group, _) = widget_world(plane, "ten-thousand").await;
     let created = tokio::time::Instant::now();
     let names = many_widgets(plane, &group, &ns, 10_000).await;
     eprintln!("10,000 objects created in {:?}", created.elapsed());

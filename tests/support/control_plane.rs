@@ -523,3 +523,15 @@ pub async fn many_widgets(
         .await;
     names
 }
+
+/// A namespace named after `test` and a widget kind of its own, installed: the namespace, the
+/// kind's group, and the kind.
+pub async fn widget_world(plane: &ControlPlane, test: &str) -> (String, String, ApiResource) {
+    let ns = plane.namespace(test).await;
+    let group = own_group(&ns);
+    plane
+        .install_crds(&[crd(&group, "widgets", "Widget")])
+        .await;
+    let resource = widgets(&group);
+    (ns, group, resource)
+}

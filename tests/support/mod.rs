@@ -281,29 +281,38 @@ pub struct Pki {
     pub client_key: String,
 }
 
-/// Established TCP connections from this process to `port` on loopback (IPv4 and IPv6),
-/// counted from the kernel's socket table: the client side only.
-pub fn connections_to(port: u16) -> usize {
-    let port = format!("{port:04X}");
+/// The rows of the kernel's TCP socket tables (`/proc/net/tcp` and `tcp6`), split into fields:
+/// local address, remote address, state, …, inode (field 9).
+fn tcp_sockets() -> Vec<Vec<String>> {
     ["/proc/net/tcp", "/proc/net/tcp6"]
         .iter()
         .filter_map(|table| std::fs::read_to_string(table).ok())
         .flat_map(|text| {
             text.lines()
                 .skip(1)
-                .map(|line| {
-                    let fields: Vec<&str> = line.split_whitespace().collect();
-                    let port_of = |a: &str| a.rsplit(':').next().unwrap_or_default().to_string();
-                    (port_of(fields[1]), port_of(fields[2]), fields[3] == "01")
-                })
+                .map(|line| line.split_whitespace().map(str::to_string).collect())
                 .collect::<Vec<_>>()
         })
-        .filter(|(local, remote, established)| *established && *remote == port && *local != port)
+        .collect()
+}
+
+/// The port of a `/proc/net/tcp` address (`0100007F:1F90`), as the table writes it (hex).
+fn port_of(address: &str) -> &str {
+    address.rsplit(':').next().unwrap_or_default()
+}
+
+/// Established TCP connections from this process to `port` on loopback (IPv4 and IPv6),
+/// counted from the kernel's socket table: the client side only.
+pub fn connections_to(port: u16) -> usize {
+    let port = format!("{port:04X}");
+    tcp_sockets()
+        .iter()
+        .filter(|f| f.len() > 3 && f[3] == "01" && port_of(&f[2]) == port && port_of(&f[1]) != port)
         .count()
 }
 
 /// Established TCP connections of the process `pid` to `port` (any address): its socket inodes
-/// matched against `/proc/net/tcp` and `tcp6`.
+/// matched against the kernel's socket tables.
 pub fn connections_of(pid: u32, port: u16) -> usize {
     let inodes: std::collections::HashSet<String> = std::fs::read_dir(format!("/proc/{pid}/fd"))
         .into_iter()
@@ -321,25 +330,9 @@ pub fn connections_of(pid: u32, port: u16) -> usize {
         })
         .collect();
     let port = format!("{port:04X}");
-    ["/proc/net/tcp", "/proc/net/tcp6"]
+    tcp_sockets()
         .iter()
-        .filter_map(|table| std::fs::read_to_string(table).ok())
-        .flat_map(|text| {
-            text.lines()
-                .skip(1)
-                .map(|line| {
-                    line.split_whitespace()
-                        .map(str::to_string)
-                        .collect::<Vec<_>>()
-                })
-                .collect::<Vec<_>>()
-        })
-        .filter(|f| {
-            f.len() > 9
-                && f[3] == "01"
-                && f[2].rsplit(':').next() == Some(port.as_str())
-                && inodes.contains(&f[9])
-        })
+        .filter(|f| f.len() > 9 && f[3] == "01" && port_of(&f[2]) == port && inodes.contains(&f[9]))
         .count()
 }
 
