@@ -210,7 +210,7 @@ pub fn target(metadata: &MetadataMap, body: &str) -> Result<Target, Status> {
     let invalid = |why: String| invalid_selector(text, why);
     let parsed: crate::selector::Target = text
         .strip_prefix(PREFIX)
-        .map(|rest| format!("featureflags.v1beta1.{PREFIX}{rest}"))
+        .map(|rest| format!("featureflags.{PREFIX}{rest}"))
         .ok_or_else(|| invalid("is not a set of FeatureFlags".into()))?
         .parse()
         .map_err(invalid)?;

@@ -277,8 +277,8 @@ impl Pool {
 }
 
 /// A request's place on a connection: where to send it, the slot it holds, and, for the
-/// connection's first request, the sender that marks the connection settled when its response
-/// comes.
+/// connection's first request, the sender through which its failure wakes the requests waiting
+/// for the connection to settle.
 type Room = (
     http2::SendRequest<Body>,
     Slot,
@@ -306,10 +306,9 @@ impl Shared {
     }
 
     /// A place on a connection with room (`Some(Ok)`); or, where a connection has not settled,
-    /// a wait for it (`Some(Err)`: look again), once per connection, as its first request may be
-    /// slow to answer; `None` when a connection must be opened. A new connection learns its
-    /// stream limit from its first response: waiting for that keeps a burst of requests from
-    /// opening a connection each.
+    /// a wait for it (`Some(Err)`: look again), once per connection; `None` when a connection
+    /// must be opened. A new connection learns its stream limit from the server's SETTINGS:
+    /// waiting for them keeps a burst of requests from opening a connection each.
     async fn room_or_wait(
         &self,
         waited: &mut Option<tokio::sync::watch::Receiver<bool>>,
@@ -379,7 +378,8 @@ impl Shared {
     }
 
     /// Opens a connection: TCP, then TLS with ALPN, then HTTP/2; `None` if the server did not
-    /// agree on `h2`. The connection is not settled: the sender returned settles it.
+    /// agree on `h2`. The connection settles by itself once the server's SETTINGS are in; the
+    /// sender returned is for its first request (see [`FirstRequest`]).
     async fn open(
         &self,
     ) -> Result<Option<(Lane, Arc<tokio::sync::watch::Sender<bool>>)>, BoxError> {
