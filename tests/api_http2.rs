@@ -36,12 +36,14 @@ async fn broker(fake: &FakeApiServer, mode: ApiHttp2) -> Running<Kubernetes> {
         .await
         .unwrap();
     config.read_timeout = Some(READ_TIMEOUT);
-    let client = http::client(config, mode, Default::default()).unwrap();
+    let (client, pinged) = http::client(config, mode, Default::default()).unwrap();
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     Running::start(
         listener,
         // A watch per name, whatever their number.
-        Kubernetes::new(client, vec![]).with_namespace_watch_threshold(0),
+        Kubernetes::new(client, vec![])
+            .with_pinged(pinged)
+            .with_namespace_watch_threshold(0),
         Duration::from_secs(30),
     )
     .unwrap()

@@ -357,6 +357,92 @@ async fn rights_revoked_while_serving_are_reported_and_recovered_from_when_resto
     );
 }
 
+#[tokio::test]
+async fn a_half_open_http2_connection_to_the_api_server_is_found_by_its_pings() {
+    let found = half_open("half-open-h2", "auto").await;
+    eprintln!("--api-http2 auto: a half-open connection found and the change served in {found:?}");
+}
+
+#[tokio::test]
+async fn a_half_open_http1_connection_to_the_api_server_is_found_by_the_watch_s_silence() {
+    let found = half_open("half-open-h1", "off").await;
+    eprintln!("--api-http2 off: a half-open connection found and the change served in {found:?}");
+}
+
+/// Within a minute, however the broker speaks (`--api-http2 mode`), a connection to the API
+/// server that silently stops carrying is given up, and a change made meanwhile reaches the
+/// subscriber: how long that took.
+async fn half_open(test: &str, mode: &str) -> Duration {
+    let plane = control_plane();
+    let (ns, group, resource) = widget_world(plane, test).await;
+    create(plane, &resource, &ns, widget(&group, &ns, "w1", "red")).await;
+    let server: std::net::SocketAddr = plane.server.trim_start_matches("https://").parse().unwrap();
+    let relay = support::relay::Relay::to(server).await;
+    let mut values = widget_values(&group, &ns, "30s");
+    values["extraArgs"] = json!(["--api-http2", mode]);
+    let broker = plane
+        .deploy_through(&ns, values, &format!("https://{}", relay.address))
+        .await;
+    let mut client = connect(broker.grpc).await;
+    let mut s = subscribe(&mut client, &[&format!("widgets.{group}/{ns}/w1")]).await;
+    assert_eq!(next(&mut s).await.event(), Event::Snapshot);
+    let api: Api<DynamicObject> = Api::namespaced_with(plane.admin().await, &ns, &resource);
+    let paint = async |color: &str| {
+        api.patch(
+            "w1",
+            &PatchParams::default(),
+            &Patch::Merge(json!({ "spec": { "color": color } })),
+        )
+        .await
+        .unwrap();
+    };
+    if mode == "off" {
+        // Over HTTP/1.1 nothing pings: the watch asks the server to end it within 35 s, and the
+        // server does, so a quiet watch is never taken for a dead one.
+        eventually(
+            "the API server ends the watch",
+            Duration::from_secs(60),
+            async || plane.requests(&group, "WATCH").await >= 1.0,
+        )
+        .await;
+        let errors: Vec<_> = metrics(broker.admin)
+            .await
+            .into_iter()
+            .filter(|(series, n)| series.starts_with("crd_broker_watch_errors_total") && *n > 0.0)
+            .collect();
+        assert!(errors.is_empty(), "{errors:?}");
+    }
+    // A change comes through: the watch is streaming.
+    paint("green").await;
+    assert_eq!(next(&mut s).await.event(), Event::Updated);
+
+    // Every connection the broker has goes half-open, and the widget changes meanwhile.
+    let before = relay.accepted();
+    relay.freeze();
+    let frozen = tokio::time::Instant::now();
+    paint("blue").await;
+    let update = tokio::time::timeout(Duration::from_secs(90), s.message())
+        .await
+        .expect("the change arrives at last")
+        .unwrap()
+        .expect("the stream goes on");
+    let found = frozen.elapsed();
+    assert_eq!(
+        (update.event(), object(&update)["spec"]["color"].clone()),
+        (Event::Updated, json!("blue"))
+    );
+    assert!(
+        relay.accepted() > before,
+        "the broker reached the API server on a new connection"
+    );
+    assert!(
+        found < Duration::from_secs(60),
+        "the half-open connection was left after {found:?}"
+    );
+    assert!(matches!(broker.readiness().await, Some((200, _))));
+    found
+}
+
 /// The FeatureFlag CRD as the OpenFeature Operator installs it.
 fn feature_flag_crd() -> Value {
     crd_broker::yaml::from_str(support::CRD).unwrap()

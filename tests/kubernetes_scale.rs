@@ -83,24 +83,6 @@ async fn a_namespace_of_ten_thousand_lists_in_pages_and_then_the_sparse_rule_app
     );
 }
 
-/// What the API server counted for `group`'s widgets: `apiserver_request_total` by verb, summed
-/// over codes and scopes (folded from 0: a float sum starts at -0).
-async fn server_requests(plane: &ControlPlane, group: &str, verb: &str) -> f64 {
-    let group = format!("group=\"{group}\"");
-    let verb = format!("verb=\"{verb}\"");
-    plane
-        .metrics()
-        .await
-        .iter()
-        .filter(|(series, _)| {
-            series.starts_with("apiserver_request_total{")
-                && series.contains(&group)
-                && series.contains(&verb)
-                && series.contains("resource=\"widgets\"")
-        })
-        .fold(0.0, |sum, (_, v)| sum + v)
-}
-
 #[tokio::test]
 async fn what_the_api_server_sees_for_one_a_hundred_and_a_thousand_resources() {
     let plane = control_plane();
@@ -133,9 +115,8 @@ async fn what_the_api_server_sees_for_one_a_hundred_and_a_thousand_resources() {
         // of it, and a WATCH when it ends: the watches are those it serves now and those ended.
         let open = plane.open_watches(&group, "widgets").await;
         let (lists, watches) = (
-            server_requests(plane, &group, "LIST").await
-                + server_requests(plane, &group, "GET").await,
-            server_requests(plane, &group, "WATCH").await + open,
+            plane.requests(&group, "LIST").await + plane.requests(&group, "GET").await,
+            plane.requests(&group, "WATCH").await + open,
         );
         let connections = connections_of(broker.child.id().unwrap(), port);
         table.push(format!(

@@ -185,8 +185,15 @@ impl ControlPlane {
     }
 
     /// A kubeconfig in `dir` for the ServiceAccount `account` of `namespace`, with a token from
-    /// TokenRequest (an hour, for the API server's audience).
-    pub async fn kubeconfig_for(&self, namespace: &str, account: &str, dir: &Path) -> PathBuf {
+    /// TokenRequest (an hour, for the API server's audience), to reach the API server at `server`
+    /// (its own URL, or a relay's to it).
+    pub async fn kubeconfig_for(
+        &self,
+        namespace: &str,
+        account: &str,
+        dir: &Path,
+        server: &str,
+    ) -> PathBuf {
         let token = self.token(namespace, account, &[], None).await;
         let ca = std::fs::read(self.dir.join("pki/ca.crt")).unwrap();
         let path = dir.join(format!("{account}.kubeconfig"));
@@ -194,7 +201,7 @@ impl ControlPlane {
             "apiVersion": "v1",
             "kind": "Config",
             "clusters": [{ "name": "control-plane", "cluster": {
-                "server": self.server,
+                "server": server,
                 "certificate-authority-data": base64(&ca),
             } }],
             "users": [{ "name": account, "user": { "token": token } }],
@@ -256,8 +263,20 @@ impl ControlPlane {
         deployed
     }
 
+    /// [`ControlPlane::deploy`], the broker reaching the API server at `server` (a relay to it).
+    pub async fn deploy_through(&self, namespace: &str, values: Value, server: &str) -> Deployed {
+        let mut deployed = self.launch_through(namespace, values, server).await;
+        deployed.wait_ready().await;
+        deployed
+    }
+
     /// [`ControlPlane::deploy`], waiting only until the broker takes connections, ready or not.
     pub async fn launch(&self, namespace: &str, values: Value) -> Deployed {
+        self.launch_through(namespace, values, &self.server).await
+    }
+
+    /// [`ControlPlane::launch`], the broker reaching the API server at `server`.
+    async fn launch_through(&self, namespace: &str, values: Value, server: &str) -> Deployed {
         let (grpc, admin) = (super::free_port(), super::free_port());
         let mut overrides = json!({ "fullnameOverride": namespace });
         super::chart::merge(&mut overrides, &values);
@@ -284,7 +303,9 @@ impl ControlPlane {
             .map(|d| d["metadata"]["name"].as_str().unwrap().to_string())
             .expect("the chart renders a ServiceAccount");
         let dir = tempfile::tempdir().unwrap();
-        let kubeconfig = self.kubeconfig_for(namespace, &account, dir.path()).await;
+        let kubeconfig = self
+            .kubeconfig_for(namespace, &account, dir.path(), server)
+            .await;
         let container = super::chart::container(&docs);
         let strings = |v: &Value| -> Vec<String> {
             v.as_array()
@@ -428,6 +449,24 @@ impl ControlPlane {
             })
             .map(|(_, value)| value)
             .sum()
+    }
+
+    /// What the API server counted for `group`'s widgets: `apiserver_request_total` by verb,
+    /// summed over codes and scopes (folded from 0: a float sum starts at -0). A WATCH counts
+    /// once it has ended.
+    pub async fn requests(&self, group: &str, verb: &str) -> f64 {
+        let group = format!("group=\"{group}\"");
+        let verb = format!("verb=\"{verb}\"");
+        self.metrics()
+            .await
+            .iter()
+            .filter(|(series, _)| {
+                series.starts_with("apiserver_request_total{")
+                    && series.contains(&group)
+                    && series.contains(&verb)
+                    && series.contains("resource=\"widgets\"")
+            })
+            .fold(0.0, |sum, (_, v)| sum + v)
     }
 }
 

@@ -8,6 +8,7 @@ use std::time::Duration;
 pub mod chart;
 pub mod control_plane;
 pub mod dns;
+pub mod relay;
 
 use crd_broker::broker::Running;
 use crd_broker::pb;

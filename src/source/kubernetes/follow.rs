@@ -20,13 +20,37 @@ use futures::stream::{self, BoxStream};
 use kube::api::{Api, DynamicObject, ListParams, WatchEvent, WatchParams};
 use tokio::time::Instant;
 
+use super::http::Pinged;
 use super::{api_error, to_object};
 use crate::source::retry::{Backoff, Recovery};
 use crate::source::{Object, Observed, SourceError};
 
-/// How long the API server keeps one watch open before it ends it and the watch resumes (kube's
-/// watcher asks the same, under the server's 5–10 minute default).
+/// How long the API server keeps one watch open before it ends it and the watch resumes, over
+/// pinged connections (kube's watcher asks the same, under the server's 5–10 minute default).
 const WATCH_TIMEOUT_SECONDS: u32 = 290;
+
+/// The same over connections nothing pings (HTTP/1.1): short, since on a quiet watch the
+/// server's bookmark 2 s before the end, and the end, are what show its connection alive.
+const UNPINGED_WATCH_TIMEOUT_SECONDS: u32 = 35;
+
+/// How often the API server sends a quiet watch a bookmark (about once a minute).
+const BOOKMARK_INTERVAL: Duration = Duration::from_secs(60);
+
+/// How long past the server's next bookmark, or the watch's end, a silent watch waits before it
+/// takes its connection for dead (half-open: nothing arrives, and nothing says so).
+const SILENCE_MARGIN: Duration = Duration::from_secs(10);
+
+/// For a watch over pinged connections or not: the timeout it asks of the server, and the
+/// silence after which it gives up its connection. Over HTTP/2, pings find a dead connection
+/// sooner (within 25 s); the silence bound is for a stream the server forgot.
+fn pace(pinged: bool) -> (u32, Duration) {
+    let timeout = match pinged {
+        true => WATCH_TIMEOUT_SECONDS,
+        false => UNPINGED_WATCH_TIMEOUT_SECONDS,
+    };
+    let quiet = Duration::from_secs(timeout.into()).min(BOOKMARK_INTERVAL);
+    (timeout, quiet + SILENCE_MARGIN)
+}
 
 /// The longest a LIST page, or a WATCH's response headers, may take: a request the API server
 /// accepted and never answers is abandoned and retried (kube's read timeout, meant for quiet
@@ -40,6 +64,14 @@ const PAGE: u32 = 500;
 /// A watch that ends sooner than this without an error counts as a failure for the backoff, so
 /// a server that closes every watch at once is not asked again in a tight loop.
 const SHORT_WATCH: Duration = Duration::from_secs(1);
+
+/// What every watch of one API server shares: the wait for its return when it cannot be
+/// reached, and whether the connections to it are pinged.
+#[derive(Clone)]
+pub(super) struct Upstream {
+    pub recovery: Arc<Recovery>,
+    pub pinged: Pinged,
+}
 
 /// What a LIST+WATCH of a collection (one name, or a namespace) saw.
 #[derive(Debug, Clone)]
@@ -70,10 +102,10 @@ pub(super) fn events(
     field: Option<String>,
     labels: Option<String>,
     what: String,
-    recovery: Arc<Recovery>,
+    upstream: Upstream,
 ) -> BoxStream<'static, Event> {
     let mut list = ListParams::default();
-    let mut watch = WatchParams::default().timeout(WATCH_TIMEOUT_SECONDS);
+    let mut watch = WatchParams::default();
     if let Some(field) = &field {
         list = list.fields(field);
         watch = watch.fields(field);
@@ -87,7 +119,7 @@ pub(super) fn events(
         watch,
         api,
         what,
-        recovery,
+        upstream,
         phase: Phase::List,
         backoff: Backoff::default(),
         wait: None,
@@ -106,11 +138,11 @@ pub(super) fn follow_seen(
     api: Api<DynamicObject>,
     name: &str,
     what: String,
-    recovery: Arc<Recovery>,
+    upstream: Upstream,
 ) -> BoxStream<'static, Seen> {
     let field = format!("metadata.name={name}");
     let mut last: Option<Observed> = None;
-    events(api, Some(field), None, what, recovery)
+    events(api, Some(field), None, what, upstream)
         .filter_map(move |event| {
             let seen = match event {
                 Event::Listed { rv, objects } => {
@@ -139,9 +171,9 @@ pub fn follow(
     api: Api<DynamicObject>,
     name: &str,
     what: String,
-    recovery: Arc<Recovery>,
+    upstream: Upstream,
 ) -> BoxStream<'static, Result<Observed, SourceError>> {
-    follow_seen(api, name, what, recovery)
+    follow_seen(api, name, what, upstream)
         .map(|seen| seen.map(|(observed, _)| observed))
         .boxed()
 }
@@ -167,11 +199,12 @@ enum Phase {
     List,
     /// Start a WATCH from this resourceVersion next.
     Watch(String),
-    /// A WATCH is streaming.
+    /// A WATCH is streaming; its connection is taken for dead after `silence` without a word.
     Streaming {
         rv: String,
         events: BoxStream<'static, kube::Result<WatchEvent<DynamicObject>>>,
         started: Instant,
+        silence: Duration,
     },
 }
 
@@ -180,7 +213,7 @@ struct Follow {
     list: ListParams,
     watch: WatchParams,
     what: String,
-    recovery: Arc<Recovery>,
+    upstream: Upstream,
     phase: Phase,
     backoff: Backoff,
     /// Wait this long before the next request; `true` if the API server could not be reached.
@@ -206,7 +239,7 @@ impl Follow {
         loop {
             if let Some((delay, unreachable)) = self.wait.take() {
                 if unreachable {
-                    self.recovery.wait(delay).await;
+                    self.upstream.recovery.wait(delay).await;
                 } else {
                     tokio::time::sleep(delay).await;
                 }
@@ -225,28 +258,46 @@ impl Follow {
                     }
                     Err(e) => return Some((self.fail(e, Phase::List), self)),
                 },
-                Phase::Watch(rv) => match bounded(self.api.watch(&self.watch, &rv)).await {
-                    Ok(events) => {
-                        self.backoff.working();
-                        self.phase = Phase::Streaming {
-                            rv: rv.clone(),
-                            events: events.boxed(),
-                            started: Instant::now(),
-                        };
-                        // It works again: say so, as of the version it resumed from.
-                        if std::mem::take(&mut self.failing) {
-                            return Some((Event::Recovered { rv }, self));
+                Phase::Watch(rv) => {
+                    let (timeout, silence) = pace(self.upstream.pinged.now());
+                    let params = self.watch.clone().timeout(timeout);
+                    match bounded(self.api.watch(&params, &rv)).await {
+                        Ok(events) => {
+                            self.backoff.working();
+                            self.phase = Phase::Streaming {
+                                rv: rv.clone(),
+                                events: events.boxed(),
+                                started: Instant::now(),
+                                silence,
+                            };
+                            // It works again: say so, as of the version it resumed from.
+                            if std::mem::take(&mut self.failing) {
+                                return Some((Event::Recovered { rv }, self));
+                            }
                         }
+                        Err(kube::Error::Api(s)) if s.code == 410 => self.phase = Phase::List,
+                        Err(e) => return Some((self.fail(e, Phase::Watch(rv)), self)),
                     }
-                    Err(kube::Error::Api(s)) if s.code == 410 => self.phase = Phase::List,
-                    Err(e) => return Some((self.fail(e, Phase::Watch(rv)), self)),
-                },
+                }
                 Phase::Streaming {
                     mut rv,
                     mut events,
                     started,
-                } => match events.next().await {
-                    Some(Ok(event)) => {
+                    silence,
+                } => match tokio::time::timeout(silence, events.next()).await {
+                    Err(_) => {
+                        tracing::warn!(
+                            what = %self.what,
+                            ?silence,
+                            "nothing from the API server on a watch: its connection is taken for dead"
+                        );
+                        let silent = format!("nothing on the watch for {silence:?}");
+                        return Some((
+                            self.fail(kube::Error::Service(silent.into()), Phase::Watch(rv)),
+                            self,
+                        ));
+                    }
+                    Ok(Some(Ok(event))) => {
                         let event = match event {
                             WatchEvent::Added(obj) | WatchEvent::Modified(obj) => {
                                 rv = obj.metadata.resource_version.clone().unwrap_or(rv);
@@ -282,13 +333,14 @@ impl Follow {
                             rv,
                             events,
                             started,
+                            silence,
                         };
                         if let Some(event) = event {
                             return Some((event, self));
                         }
                     }
-                    Some(Err(e)) => return Some((self.fail(e, Phase::Watch(rv)), self)),
-                    None => {
+                    Ok(Some(Err(e))) => return Some((self.fail(e, Phase::Watch(rv)), self)),
+                    Ok(None) => {
                         // The server ended the watch (its timeout): resume where it ended.
                         if started.elapsed() < SHORT_WATCH {
                             self.wait = Some((self.backoff.failed(), false));
@@ -351,6 +403,16 @@ pub(super) fn older(a: &str, b: &str) -> bool {
 
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
+    #[test]
+    fn an_unpinged_watch_ends_and_is_given_up_on_within_a_minute() {
+        // Over HTTP/2 the watch is long, and its silence bound lies past the server's bookmark.
+        assert_eq!(super::pace(true), (290, Duration::from_secs(70)));
+        // Over HTTP/1.1 the server's own end of the watch shows the connection alive.
+        assert_eq!(super::pace(false), (35, Duration::from_secs(45)));
+    }
+
     #[test]
     fn resource_versions_compare_as_integers_or_not_at_all() {
         assert!(super::older("9", "10"));

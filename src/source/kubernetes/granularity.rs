@@ -19,8 +19,7 @@ use futures::stream::{self, BoxStream};
 use kube::api::{Api, DynamicObject};
 use tokio::sync::watch;
 
-use super::follow::{self, Event, Seen};
-use crate::source::retry::Recovery;
+use super::follow::{self, Event, Seen, Upstream};
 use crate::source::{Object, Observed, SourceError, lock};
 
 /// `(group, version, plural, namespace)`.
@@ -124,7 +123,7 @@ pub(super) struct Watches {
     pub namespace: Api<DynamicObject>,
     pub name: String,
     pub what: String,
-    pub recovery: Arc<Recovery>,
+    pub upstream: Upstream,
     pub key: Key,
 }
 
@@ -142,7 +141,7 @@ impl Granularity {
         w: Watches,
     ) -> BoxStream<'static, Result<Observed, SourceError>> {
         if self.threshold == 0 {
-            return follow::follow(w.namespace, &w.name, w.what, w.recovery);
+            return follow::follow(w.namespace, &w.name, w.what, w.upstream);
         }
         let mode = self.join(&w);
         let state = Name {
@@ -193,7 +192,7 @@ impl Granularity {
                 None,
                 None,
                 format!("{} in namespace {}", w.key.2, w.key.3),
-                w.recovery.clone(),
+                w.upstream.clone(),
             );
             tokio::spawn(feed(
                 events,
@@ -359,7 +358,7 @@ impl Name {
                         self.w.namespace.clone(),
                         &self.w.name,
                         self.w.what.clone(),
-                        self.w.recovery.clone(),
+                        self.w.upstream.clone(),
                     ));
                 }
                 _ => {}

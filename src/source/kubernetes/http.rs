@@ -7,7 +7,8 @@
 //! `SETTINGS_MAX_CONCURRENT_STREAMS` allows (100 on the kube-apiserver); a request that finds
 //! every connection full opens the next one, since hyper never does that by itself. A server
 //! that offers no `h2` is spoken to over kube's own HTTP/1.1 client, one connection per
-//! request in flight. Dead HTTP/2 connections are found by keepalive pings.
+//! request in flight. Dead HTTP/2 connections are found by keepalive pings; nothing pings an
+//! HTTP/1.1 connection, so [`Pinged`] tells the watches on it to find a dead one themselves.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -38,7 +39,27 @@ const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
 const IDLE_CLOSE: Duration = Duration::from_secs(60);
 
 /// How long a TCP connect and TLS handshake may take.
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// TCP keepalive on HTTP/1.1 connections: a peer host that is gone is found within about a
+/// minute (a proxy that stops forwarding answers them, so watches bound their silence too).
+const TCP_KEEPALIVE: Duration = Duration::from_secs(30);
+const TCP_KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
+const TCP_KEEPALIVE_RETRIES: u32 = 3;
+
+/// Whether the broker's connections to the API server are pinged (HTTP/2), so that a dead one is
+/// found within [`KEEPALIVE_INTERVAL`] + [`KEEPALIVE_TIMEOUT`]. Over HTTP/1.1 they are not, and
+/// a watch must find its dead connection by its silence. It can change once: a server that
+/// offers no HTTP/2 turns it off.
+#[derive(Clone, Debug, Default)]
+pub struct Pinged(Arc<AtomicBool>);
+
+impl Pinged {
+    /// Whether requests made now go over pinged connections.
+    pub fn now(&self) -> bool {
+        self.0.load(Ordering::Relaxed)
+    }
+}
 
 /// Whether the broker speaks HTTP/2 to the API server.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
@@ -53,17 +74,20 @@ pub enum ApiHttp2 {
 /// A kube client for `config`: over this module's pool for an `https` API server with
 /// `Auto`, else kube's own stack (there is no cleartext HTTP/2 to the API server, and kube's
 /// stack is the one that goes through a `proxy-url`).
-/// Its requests are counted in `requests`.
+/// Its requests are counted in `requests`; whether its connections are pinged is in the
+/// [`Pinged`] returned with it.
 pub fn client(
-    config: kube::Config,
+    mut config: kube::Config,
     mode: ApiHttp2,
     requests: crate::telemetry::ApiRequests,
-) -> kube::Result<kube::Client> {
+) -> kube::Result<(kube::Client, Pinged)> {
     let count = super::requests::Count(requests);
-    let stock = |config: kube::Config| -> kube::Result<kube::Client> {
-        Ok(kube::client::ClientBuilder::try_from(config)?
+    config.connect_timeout = Some(CONNECT_TIMEOUT);
+    let stock = |config: kube::Config| -> kube::Result<(kube::Client, Pinged)> {
+        let client = kube::client::ClientBuilder::try_from(config)?
             .with_layer(&count)
-            .build())
+            .build();
+        Ok((client, Pinged::default()))
     };
     if mode == ApiHttp2::Off || config.cluster_url.scheme_str() != Some("https") {
         return stock(config);
@@ -75,13 +99,14 @@ pub fn client(
         return stock(config);
     }
     let pool = Pool::new(&config)?;
+    let pinged = pool.0.pinged.clone();
     let service = ServiceBuilder::new()
         .layer(count.clone())
         .layer(config.base_uri_layer())
         .option_layer(config.auth_layer()?)
         .layer(config.extra_headers_layer()?)
         .service(pool);
-    Ok(kube::Client::new(service, config.default_namespace))
+    Ok((kube::Client::new(service, config.default_namespace), pinged))
 }
 
 /// Connections to one API server.
@@ -103,8 +128,8 @@ struct Shared {
     opening: tokio::sync::Mutex<()>,
     /// kube's own HTTP/1.1 client, for a server that offers no HTTP/2.
     http1: Http1,
-    /// Set once a server answered the TLS handshake without `h2`.
-    http1_only: AtomicBool,
+    /// Turned off once a server answered the TLS handshake without `h2`.
+    pinged: Pinged,
 }
 
 /// One HTTP/2 connection and the requests open on it.
@@ -270,10 +295,22 @@ impl Pool {
             lanes: Mutex::new(Vec::new()),
             opening: tokio::sync::Mutex::new(()),
             http1: hyper_util::client::legacy::Builder::new(TokioExecutor::new())
-                .build(config.rustls_https_connector()?),
-            http1_only: AtomicBool::new(false),
+                .build(config.rustls_https_connector_with_connector(http1_connector())?),
+            pinged: Pinged(Arc::new(AtomicBool::new(true))),
         })))
     }
+}
+
+/// TCP for HTTP/1.1 connections: bounded connects, and keepalive probes.
+fn http1_connector() -> hyper_util::client::legacy::connect::HttpConnector {
+    let mut tcp = hyper_util::client::legacy::connect::HttpConnector::new();
+    tcp.enforce_http(false);
+    tcp.set_nodelay(true);
+    tcp.set_connect_timeout(Some(CONNECT_TIMEOUT));
+    tcp.set_keepalive(Some(TCP_KEEPALIVE));
+    tcp.set_keepalive_interval(Some(TCP_KEEPALIVE_INTERVAL));
+    tcp.set_keepalive_retries(Some(TCP_KEEPALIVE_RETRIES));
+    tcp
 }
 
 /// A request's place on a connection: where to send it, the slot it holds, and, for the
@@ -333,7 +370,7 @@ impl Shared {
         // The connection last waited on, if any.
         let mut waited: Option<tokio::sync::watch::Receiver<bool>> = None;
         loop {
-            if self.http1_only.load(Ordering::Relaxed) {
+            if !self.pinged.now() {
                 return Ok(None);
             }
             match self.room_or_wait(&mut waited).await {
@@ -371,7 +408,7 @@ impl Shared {
                 }
                 None => {
                     tracing::info!("the API server offers no HTTP/2; speaking HTTP/1.1 to it");
-                    self.http1_only.store(true, Ordering::Relaxed);
+                    self.pinged.0.store(false, Ordering::Relaxed);
                 }
             }
         }

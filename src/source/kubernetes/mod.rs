@@ -80,6 +80,8 @@ pub struct Kubernetes {
     last_group_versions: Mutex<HashMap<String, Arc<GroupVersion>>>,
     discovery_ttl: Duration,
     recovery: Arc<Recovery>,
+    /// Whether the client's connections are pinged (not known for a client made elsewhere).
+    pinged: http::Pinged,
     granularity: Arc<granularity::Granularity>,
     /// What the client counts of its requests (nothing, for a client made elsewhere).
     api_requests: crate::telemetry::ApiRequests,
@@ -106,6 +108,7 @@ impl Kubernetes {
         }));
         Kubernetes {
             recovery,
+            pinged: http::Pinged::default(),
             client,
             allowed,
             namespaces: Vec::new(),
@@ -167,9 +170,10 @@ impl Kubernetes {
         let mut config = kube::Config::infer().await?;
         config.read_timeout = Some(READ_TIMEOUT);
         let requests = crate::telemetry::ApiRequests::default();
-        let client = http::client(config, http2, requests.clone())?;
+        let (client, pinged) = http::client(config, http2, requests.clone())?;
         Ok(Kubernetes {
             api_requests: requests,
+            pinged,
             ..Self::new(client, allowed)
         })
     }
@@ -177,6 +181,19 @@ impl Kubernetes {
     /// The client.
     pub fn client(&self) -> &kube::Client {
         &self.client
+    }
+
+    /// As it is, knowing whether `client`'s connections are pinged, as [`http::client`] says.
+    pub fn with_pinged(mut self, pinged: http::Pinged) -> Self {
+        self.pinged = pinged;
+        self
+    }
+
+    fn upstream(&self) -> follow::Upstream {
+        follow::Upstream {
+            recovery: self.recovery.clone(),
+            pinged: self.pinged.clone(),
+        }
     }
 
     /// Refuses, without asking the API server, a kind whose group no `--resource` names.
@@ -646,7 +663,7 @@ impl Source for Kubernetes {
             None,
             labels,
             set.to_string(),
-            self.recovery.clone(),
+            self.upstream(),
         );
         events
             .map(|event| match event {
@@ -665,7 +682,7 @@ impl Source for Kubernetes {
                 self.api(selector),
                 &selector.name,
                 selector.to_string(),
-                self.recovery.clone(),
+                self.upstream(),
             );
         };
         let kind = &selector.kind;
@@ -673,7 +690,7 @@ impl Source for Kubernetes {
             namespace: self.api(selector),
             name: selector.name.clone(),
             what: selector.to_string(),
-            recovery: self.recovery.clone(),
+            upstream: self.upstream(),
             key: (
                 kind.group.clone(),
                 kind.version.clone().unwrap_or_default(),
