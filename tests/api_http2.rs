@@ -36,7 +36,8 @@ async fn broker(fake: &FakeApiServer, mode: ApiHttp2) -> Running<Kubernetes> {
         .await
         .unwrap();
     config.read_timeout = Some(READ_TIMEOUT);
-    let (client, pinged) = http::client(config, mode, Default::default()).unwrap();
+    let (client, pinged) =
+        http::client(config, mode, Default::default(), Default::default()).unwrap();
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     Running::start(
         listener,

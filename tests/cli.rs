@@ -351,6 +351,21 @@ async fn access_settings_that_cannot_work_are_refused_at_start_with_the_reason()
             vec![("CRD_BROKER_NAMESPACE", "team-a,Team_B")],
             "\"Team_B\" is not a namespace name",
         ),
+        (
+            vec!["--api-qps", "-1"],
+            vec![],
+            "\"-1\" is not a number of requests per second",
+        ),
+        (
+            vec![],
+            vec![("CRD_BROKER_API_QPS", "NaN")],
+            "\"NaN\" is not a number of requests per second",
+        ),
+        (
+            vec!["--api-burst", "5"],
+            vec![],
+            "--api-burst 5 needs --api-qps",
+        ),
     ];
     for (args, env, want) in cases {
         let err = refused_at_start(&args, &env).await;

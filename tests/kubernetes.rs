@@ -443,6 +443,157 @@ async fn half_open(test: &str, mode: &str) -> Duration {
     found
 }
 
+#[tokio::test]
+async fn priority_and_fairness_rejecting_the_broker_is_waited_out_as_the_server_asks() {
+    let plane = control_plane();
+    let (ns, group, resource) = widget_world(plane, "starved").await;
+    let names = many_widgets(plane, &group, &ns, 40).await;
+    let mut values = widget_values(&group, &ns, "30s");
+    // A watch per name, so that a subscription to forty asks forty LISTs at once.
+    values["extraArgs"] = json!(["--namespace-watch-threshold", "0"]);
+    let broker = plane.deploy(&ns, values).await;
+
+    // The broker's ServiceAccount gets a priority level of its own with the fewest seats there
+    // are (one share of the server's concurrency), which rejects what does not fit.
+    let starved = format!("{ns}-starved");
+    plane
+        .apply(&[
+            json!({
+                "apiVersion": "flowcontrol.apiserver.k8s.io/v1",
+                "kind": "PriorityLevelConfiguration",
+                "metadata": { "name": starved },
+                "spec": { "type": "Limited", "limited": {
+                    "nominalConcurrencyShares": 1,
+                    "lendablePercent": 0,
+                    "borrowingLimitPercent": 0,
+                    "limitResponse": { "type": "Reject" },
+                } },
+            }),
+            json!({
+                "apiVersion": "flowcontrol.apiserver.k8s.io/v1",
+                "kind": "FlowSchema",
+                "metadata": { "name": starved },
+                "spec": {
+                    "priorityLevelConfiguration": { "name": starved },
+                    "matchingPrecedence": 500,
+                    "distinguisherMethod": { "type": "ByUser" },
+                    "rules": [{
+                        "subjects": [{ "kind": "ServiceAccount",
+                            "serviceAccount": { "name": broker.namespace, "namespace": ns } }],
+                        "resourceRules": [{ "verbs": ["*"], "apiGroups": ["*"],
+                            "resources": ["*"], "clusterScope": true, "namespaces": ["*"] }],
+                        "nonResourceRules": [{ "verbs": ["*"], "nonResourceURLs": ["*"] }],
+                    }],
+                },
+            }),
+        ])
+        .await;
+    let rejected = async || {
+        plane
+            .metrics()
+            .await
+            .iter()
+            .filter(|(series, _)| {
+                series.starts_with("apiserver_flowcontrol_rejected_requests_total{")
+                    && series.contains(&format!("flow_schema=\"{starved}\""))
+            })
+            .fold(0.0, |sum, (_, v)| sum + v)
+    };
+
+    // Forty new resources at once: the server rejects most of the broker's requests, saying
+    // when to come back; the broker holds every request that long, and serves all forty.
+    let mut client = connect(broker.grpc).await;
+    let selectors: Vec<String> = names
+        .iter()
+        .map(|n| format!("widgets.{group}/{ns}/{n}"))
+        .collect();
+    let selectors: Vec<&str> = selectors.iter().map(String::as_str).collect();
+    let asked = tokio::time::Instant::now();
+    let mut s = subscribe(&mut client, &selectors).await;
+    for _ in &names {
+        let first = tokio::time::timeout(Duration::from_secs(120), s.message())
+            .await
+            .expect("every resource is served at last")
+            .unwrap()
+            .expect("the stream goes on");
+        assert_eq!(first.event(), Event::Snapshot);
+    }
+    let served = asked.elapsed();
+    let refused = rejected().await;
+    let ours = metrics(broker.admin).await;
+    let held = get(
+        &ours,
+        "crd_broker_api_held_seconds_total{reason=\"retry_after\"}",
+    );
+    let too_many: f64 = ours
+        .iter()
+        .filter(|(series, _)| {
+            series.starts_with("crd_broker_api_requests_total{") && series.contains("code=\"429\"")
+        })
+        .fold(0.0, |sum, (_, v)| sum + v);
+    eprintln!(
+        "starved: forty served in {served:?}; the server rejected {refused} requests, the broker \
+         saw {too_many} 429s and held its requests {held:.1} s as asked"
+    );
+    assert!(
+        refused > 0.0,
+        "the priority level rejected some of the broker's requests"
+    );
+    assert!(too_many > 0.0 && held > 0.0);
+
+    // The schema removed: a change reaches the subscriber at once.
+    let schemas: Api<DynamicObject> = Api::all_with(
+        plane.admin().await,
+        &ApiResource::from_gvk(&kube::core::GroupVersionKind::gvk(
+            "flowcontrol.apiserver.k8s.io",
+            "v1",
+            "FlowSchema",
+        )),
+    );
+    schemas
+        .delete(&starved, &DeleteParams::default())
+        .await
+        .unwrap();
+    let api: Api<DynamicObject> = Api::namespaced_with(plane.admin().await, &ns, &resource);
+    api.patch(
+        &names[0],
+        &PatchParams::default(),
+        &Patch::Merge(json!({ "spec": { "color": "blue" } })),
+    )
+    .await
+    .unwrap();
+    let update = next(&mut s).await;
+    assert_eq!(update.event(), Event::Updated);
+}
+
+#[tokio::test]
+async fn the_brokers_own_rate_limit_from_its_environment_paces_what_the_server_sees() {
+    let plane = control_plane();
+    let (ns, group, _) = widget_world(plane, "paced").await;
+    let names = many_widgets(plane, &group, &ns, 10).await;
+    let mut values = widget_values(&group, &ns, "30s");
+    values["extraArgs"] = json!(["--namespace-watch-threshold", "0"]);
+    values["extraEnv"] = json!([
+        { "name": "CRD_BROKER_API_QPS", "value": "4" },
+        { "name": "CRD_BROKER_API_BURST", "value": "1" },
+    ]);
+    let broker = plane.deploy(&ns, values).await;
+    let before = plane.requests(&group, "LIST").await + plane.requests(&group, "GET").await;
+    let asked = tokio::time::Instant::now();
+    subscribe_all(&broker, &group, &ns, &names).await;
+    let took = asked.elapsed();
+    // Ten LISTs (the API server counts one with a name's fieldSelector as a GET) at four a
+    // second, one at once: nine of them waited a quarter of a second each at least.
+    let lists = plane.requests(&group, "LIST").await + plane.requests(&group, "GET").await - before;
+    assert_eq!(lists, 10.0);
+    assert!(took >= Duration::from_millis(2250), "ten LISTs in {took:?}");
+    let held = get(
+        &metrics(broker.admin).await,
+        "crd_broker_api_held_seconds_total{reason=\"rate\"}",
+    );
+    assert!(held >= 2.0, "held {held} s");
+}
+
 /// The FeatureFlag CRD as the OpenFeature Operator installs it.
 fn feature_flag_crd() -> Value {
     crd_broker::yaml::from_str(support::CRD).unwrap()

@@ -8,7 +8,10 @@ use std::time::{Duration, Instant};
 
 use crd_broker::broker::{Config, Listeners, Running};
 use crd_broker::pb::subscribe_response::Event;
-use crd_broker::source::kubernetes::Kubernetes;
+use crd_broker::source::kubernetes::throttle::Rate;
+use crd_broker::source::kubernetes::{ApiHttp2, Kubernetes, http};
+use crd_broker::telemetry::{ApiHeldLabels, ApiRequests};
+use fake_apiserver::faults::{Action, Injection};
 use fake_apiserver::{FakeApiServer, Matcher};
 use support::*;
 use tokio::net::TcpListener;
@@ -460,4 +463,85 @@ async fn keepalive_reaps_a_half_open_connection_within_interval_and_timeout() {
     // Nobody else noticed.
     fake.apply(flag("other", "off")).unwrap();
     assert!(is(&next(&mut other).await, Event::Snapshot, "off"));
+}
+
+/// A broker on the fake whose client is built as `serve` builds it, its requests limited by
+/// `rate`; with what its client counts.
+async fn paced_broker(fake: &FakeApiServer, rate: Rate) -> (Running<Kubernetes>, ApiRequests) {
+    let kubeconfig = kube::config::Kubeconfig::from_yaml(&fake.kubeconfig()).unwrap();
+    let config = kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default())
+        .await
+        .unwrap();
+    let requests = ApiRequests::default();
+    let (client, pinged) = http::client(config, ApiHttp2::Auto, rate, requests.clone()).unwrap();
+    let source = Kubernetes::new(client, vec![]).with_pinged(pinged);
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let broker = Running::start(listener, source, Duration::from_secs(30)).unwrap();
+    (broker, requests)
+}
+
+fn held(requests: &ApiRequests, reason: &'static str) -> f64 {
+    requests.held.get_or_create(&ApiHeldLabels { reason }).get()
+}
+
+#[tokio::test]
+async fn a_429_s_retry_after_holds_the_brokers_requests_that_long() {
+    let fake = fake().await;
+    fake.apply(flag("demo", "v0")).unwrap();
+    let (broker, requests) = paced_broker(&fake, Rate::default()).await;
+    // API Priority and Fairness refuses the first LIST, and asks for 2 s.
+    fake.inject(Injection {
+        matcher: Matcher::verb("list").on(NS_PATH),
+        times: 1,
+        action: Action::Status {
+            code: 429,
+            retry_after: Some(2),
+        },
+    });
+    let asked = Instant::now();
+    let mut client = connect(broker.addr).await;
+    let mut s = subscribe(&mut client, &[&demo("demo")]).await;
+    assert!(is(&next(&mut s).await, Event::Snapshot, "v0"));
+    assert!(
+        asked.elapsed() >= Duration::from_secs(2),
+        "served {:?} after the 429: its Retry-After was not honoured",
+        asked.elapsed()
+    );
+    let lists = fake.requests().iter().filter(|r| r.verb == "list").count();
+    assert_eq!(lists, 2, "the refused LIST, and one more after the wait");
+    assert!(held(&requests, "retry_after") >= 1.9);
+    assert_eq!(
+        held(&requests, "rate"),
+        0.0,
+        "no rate of its own by default"
+    );
+}
+
+#[tokio::test]
+async fn the_brokers_own_rate_limit_paces_its_requests_to_the_api_server() {
+    let fake = fake().await;
+    let names: Vec<String> = (0..10).map(|i| format!("f{i}")).collect();
+    for name in &names {
+        fake.apply(flag(name, "v0")).unwrap();
+    }
+    let rate = Rate { qps: 5.0, burst: 2 };
+    let started = Instant::now();
+    let (broker, requests) = paced_broker(&fake, rate).await;
+    let selectors: Vec<String> = names.iter().map(|n| demo(n)).collect();
+    let selectors: Vec<&str> = selectors.iter().map(String::as_str).collect();
+    let mut client = connect(broker.addr).await;
+    let mut s = subscribe(&mut client, &selectors).await;
+    for _ in &names {
+        assert_eq!(next(&mut s).await.event(), Event::Snapshot);
+    }
+    let took = started.elapsed();
+    let sent = fake.requests().len();
+    assert!(sent >= 10, "a LIST for each of the ten at least: {sent}");
+    // At most `burst` at once, then `qps` a second: `sent` requests need this long at least.
+    let least = Duration::from_secs_f64((sent - 2) as f64 / 5.0);
+    assert!(
+        took >= least,
+        "{sent} requests in {took:?}, under {least:?}"
+    );
+    assert!(held(&requests, "rate") > 0.0);
 }

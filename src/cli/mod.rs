@@ -261,6 +261,15 @@ pub struct Serve {
     /// watches; `off` keeps kube's HTTP/1.1 stack, one connection per watch.
     #[arg(long, env = "CRD_BROKER_API_HTTP2", value_enum, default_value_t = ApiHttp2::Auto)]
     pub api_http2: ApiHttp2,
+    /// The broker's own limit on its requests to the API server, per second on average (as
+    /// client-go's QPS); `0`: none of its own, the API server's Priority and Fairness paces it.
+    /// The API server's `Retry-After` (with a 429 or 503) holds every request either way.
+    #[arg(long, env = "CRD_BROKER_API_QPS", default_value_t = 0.0, value_parser = requests_per_second, allow_negative_numbers = true)]
+    pub api_qps: f64,
+    /// Requests that may go at once, above `--api-qps` (as client-go's burst); `0`: twice
+    /// `--api-qps`.
+    #[arg(long, env = "CRD_BROKER_API_BURST", default_value_t = 0)]
+    pub api_burst: u32,
     /// Names of one kind watched in one namespace above which one watch of the namespace
     /// replaces theirs (and below half of which each name has its own watch again); `0`: a
     /// watch per name always.
@@ -444,6 +453,25 @@ impl Start {
 }
 
 impl Serve {
+    /// The limit on the broker's requests to the API server (`--api-qps`, `--api-burst`).
+    pub fn api_rate(&self) -> anyhow::Result<crate::source::kubernetes::throttle::Rate> {
+        if self.api_qps == 0.0 && self.api_burst > 0 {
+            anyhow::bail!(
+                "--api-burst {} needs --api-qps: without it the broker sets no rate of its own",
+                self.api_burst
+            );
+        }
+        let burst = match self.api_burst {
+            // At least one, and never more than the largest count the bucket can hold.
+            0 => (self.api_qps * 2.0).ceil().clamp(1.0, f64::from(u32::MAX)) as u32,
+            burst => burst,
+        };
+        Ok(crate::source::kubernetes::throttle::Rate {
+            qps: self.api_qps,
+            burst,
+        })
+    }
+
     /// The broker settings these flags give.
     pub fn broker_config(&self) -> broker::Config {
         broker::Config {
@@ -529,6 +557,7 @@ impl Serve {
 
     /// Binds, picks the source, serves until SIGINT or SIGTERM, then drains.
     pub async fn run(self) -> anyhow::Result<()> {
+        let rate = self.api_rate()?;
         let listeners = self.listeners().await?;
         let mut config = self.broker_config();
         match &self.manifests {
@@ -543,7 +572,7 @@ impl Serve {
                 run_until_signal(listeners, source, config).await
             }
             None => {
-                let source = Kubernetes::infer(self.resources.clone(), self.api_http2)
+                let source = Kubernetes::infer(self.resources.clone(), self.api_http2, rate)
                     .await
                     .context("configuring the Kubernetes client (KUBECONFIG, else in-cluster)")?
                     .confined_to(self.namespaces.clone())
@@ -552,6 +581,16 @@ impl Serve {
                 run_until_signal(listeners, source, config).await
             }
         }
+    }
+}
+
+/// A rate of requests: a finite number, 0 or more.
+fn requests_per_second(text: &str) -> Result<f64, String> {
+    match text.trim().parse::<f64>() {
+        Ok(qps) if qps.is_finite() && qps >= 0.0 => Ok(qps),
+        _ => Err(format!(
+            "{text:?} is not a number of requests per second (0 or more; 0: no limit)"
+        )),
     }
 }
 

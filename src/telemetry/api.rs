@@ -1,12 +1,13 @@
-//! The broker's requests to the Kubernetes API server, by verb and status code, and the time
-//! to their response headers: counted by the client's HTTP stack, which the source builds
-//! around these families.
+//! The broker's requests to the Kubernetes API server, by verb and status code, the time to
+//! their response headers, and the time they were held back: counted by the client's HTTP
+//! stack, which the source builds around these families.
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
+use std::sync::atomic::AtomicU64;
 
 use super::latency_histogram;
 
@@ -26,6 +27,17 @@ pub struct ApiVerbLabels {
     pub verb: &'static str,
 }
 
+/// Labels of the time requests were held back.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ApiHeldLabels {
+    /// `rate` (the broker's own `--api-qps`/`--api-burst`), `retry_after` (the API server's
+    /// `Retry-After`, with a 429 or 503) or `concurrency` (fewer requests at once after a 429).
+    pub reason: &'static str,
+}
+
+/// The reasons [`ApiHeldLabels`] takes.
+pub const API_HELD_REASONS: [&str; 3] = ["rate", "retry_after", "concurrency"];
+
 /// The verbs [`ApiRequestLabels`] takes.
 pub const API_VERBS: [&str; 7] = [
     "get",
@@ -44,6 +56,8 @@ pub struct ApiRequests {
     pub requests: Family<ApiRequestLabels, Counter>,
     /// Seconds to the response's headers (for a watch: until it is established), by verb.
     pub seconds: Family<ApiVerbLabels, Histogram>,
+    /// Seconds requests were held back before they went, by reason.
+    pub held: Family<ApiHeldLabels, Counter<f64, AtomicU64>>,
 }
 
 impl Default for ApiRequests {
@@ -51,6 +65,7 @@ impl Default for ApiRequests {
         ApiRequests {
             requests: Family::default(),
             seconds: Family::new_with_constructor(latency_histogram),
+            held: Family::default(),
         }
     }
 }
@@ -68,6 +83,13 @@ impl ApiRequests {
             "Seconds to the Kubernetes API server's response headers, by verb",
             self.seconds.clone(),
         );
+        registry.register(
+            "api_held_seconds",
+            "Seconds the broker's requests to the Kubernetes API server were held back before \
+             they went, by reason: rate (--api-qps), retry_after (the API server's Retry-After) or \
+             concurrency (fewer at once after a 429)",
+            self.held.clone(),
+        );
     }
 
     /// The series a working source has from its first minutes, at zero: answered gets, lists
@@ -81,6 +103,9 @@ impl ApiRequests {
         }
         for verb in API_VERBS {
             let _ = self.seconds.get_or_create(&ApiVerbLabels { verb });
+        }
+        for reason in API_HELD_REASONS {
+            let _ = self.held.get_or_create(&ApiHeldLabels { reason });
         }
     }
 }

@@ -46,7 +46,9 @@ pub use access::{
     AccessMetrics, Denial, DenialLabels, IdentifiedBy, IdentifyLabels, IdentifyResult, Limit,
     LimitLabels, ReloadLabels, ReloadResult,
 };
-pub use api::{API_VERBS, ApiRequestLabels, ApiRequests, ApiVerbLabels};
+pub use api::{
+    API_HELD_REASONS, API_VERBS, ApiHeldLabels, ApiRequestLabels, ApiRequests, ApiVerbLabels,
+};
 pub use grpc::{
     ConnectionLabels, GRPC_CODES, GrpcCodeLabels, GrpcLabels, GrpcMethod, GrpcMetrics, Transport,
 };

@@ -52,13 +52,8 @@ fn pace(pinged: bool) -> (u32, Duration) {
     (timeout, quiet + SILENCE_MARGIN)
 }
 
-/// The longest a LIST page, or a WATCH's response headers, may take: a request the API server
-/// accepted and never answers is abandoned and retried (kube's read timeout, meant for quiet
-/// watch bodies, is minutes). A LIST of many pages takes as long as its pages need.
-const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
-
 /// Objects a LIST page holds (client-go's pager asks for as many): a namespace of any size
-/// lists in pages that each come well within [`REQUEST_TIMEOUT`].
+/// lists in pages that each come well within the request bound ([`super::throttle`]).
 const PAGE: u32 = 500;
 
 /// A watch that ends sooner than this without an error counts as a failure for the backoff, so
@@ -261,7 +256,7 @@ impl Follow {
                 Phase::Watch(rv) => {
                     let (timeout, silence) = pace(self.upstream.pinged.now());
                     let params = self.watch.clone().timeout(timeout);
-                    match bounded(self.api.watch(&params, &rv)).await {
+                    match self.api.watch(&params, &rv).await {
                         Ok(events) => {
                             self.backoff.working();
                             self.phase = Phase::Streaming {
@@ -364,7 +359,7 @@ impl Follow {
 }
 
 /// Every object `params` select, [`PAGE`] at a time (`limit` and `continue`), each page within
-/// [`REQUEST_TIMEOUT`]; with the resourceVersion of the list, which every page holds as of. A
+/// the request bound; with the resourceVersion of the list, which every page holds as of. A
 /// continue token the API server has compacted away (410) fails the LIST, which starts over.
 async fn list_all(
     api: &Api<DynamicObject>,
@@ -373,22 +368,12 @@ async fn list_all(
     let mut page = params.clone().limit(PAGE);
     let mut items = Vec::new();
     loop {
-        let list = bounded(api.list(&page)).await?;
+        let list = api.list(&page).await?;
         items.extend(list.items);
         match list.metadata.continue_.filter(|token| !token.is_empty()) {
             Some(token) => page = page.continue_token(&token),
             None => return Ok((list.metadata.resource_version.unwrap_or_default(), items)),
         }
-    }
-}
-
-/// `request`, failing with a timeout after [`REQUEST_TIMEOUT`].
-async fn bounded<T>(request: impl Future<Output = kube::Result<T>>) -> kube::Result<T> {
-    match tokio::time::timeout(REQUEST_TIMEOUT, request).await {
-        Ok(answer) => answer,
-        Err(_) => Err(kube::Error::Service(
-            format!("no answer within {REQUEST_TIMEOUT:?}").into(),
-        )),
     }
 }
 

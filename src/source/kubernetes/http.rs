@@ -26,6 +26,7 @@ use kube::client::{Body, ConfigExt};
 use rustls_pki_types::ServerName;
 use tower::ServiceBuilder;
 
+use super::throttle::{Rate, Throttle};
 use crate::source::lock;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -74,18 +75,24 @@ pub enum ApiHttp2 {
 /// A kube client for `config`: over this module's pool for an `https` API server with
 /// `Auto`, else kube's own stack (there is no cleartext HTTP/2 to the API server, and kube's
 /// stack is the one that goes through a `proxy-url`).
-/// Its requests are counted in `requests`; whether its connections are pinged is in the
+/// Its requests are paced by `rate` and the API server's `Retry-After`, and bounded
+/// ([`super::throttle`]); counted in `requests`; whether its connections are pinged is in the
 /// [`Pinged`] returned with it.
 pub fn client(
     mut config: kube::Config,
     mode: ApiHttp2,
+    rate: Rate,
     requests: crate::telemetry::ApiRequests,
 ) -> kube::Result<(kube::Client, Pinged)> {
+    let throttle = Throttle::new(rate, requests.clone());
     let count = super::requests::Count(requests);
     config.connect_timeout = Some(CONNECT_TIMEOUT);
+    // kube's own retries would hide 429s from the throttle, and outlast the request's bound.
+    config.default_retry = false;
     let stock = |config: kube::Config| -> kube::Result<(kube::Client, Pinged)> {
         let client = kube::client::ClientBuilder::try_from(config)?
             .with_layer(&count)
+            .with_layer(&throttle)
             .build();
         Ok((client, Pinged::default()))
     };
@@ -101,6 +108,7 @@ pub fn client(
     let pool = Pool::new(&config)?;
     let pinged = pool.0.pinged.clone();
     let service = ServiceBuilder::new()
+        .layer(throttle.clone())
         .layer(count.clone())
         .layer(config.base_uri_layer())
         .option_layer(config.auth_layer()?)

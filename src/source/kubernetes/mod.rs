@@ -22,6 +22,7 @@ mod granularity;
 pub mod http;
 mod requests;
 mod rights;
+pub mod throttle;
 
 pub use http::ApiHttp2;
 
@@ -165,12 +166,16 @@ impl Kubernetes {
 
     /// A source on the client kube infers from the environment: `KUBECONFIG` (or
     /// `~/.kube/config`), else the in-cluster service account.
-    /// `http2` says whether it may speak HTTP/2 to the API server.
-    pub async fn infer(allowed: Vec<KindRef>, http2: ApiHttp2) -> anyhow::Result<Self> {
+    /// `http2` says whether it may speak HTTP/2 to the API server; `rate` limits its requests.
+    pub async fn infer(
+        allowed: Vec<KindRef>,
+        http2: ApiHttp2,
+        rate: throttle::Rate,
+    ) -> anyhow::Result<Self> {
         let mut config = kube::Config::infer().await?;
         config.read_timeout = Some(READ_TIMEOUT);
         let requests = crate::telemetry::ApiRequests::default();
-        let (client, pinged) = http::client(config, http2, requests.clone())?;
+        let (client, pinged) = http::client(config, http2, rate, requests.clone())?;
         Ok(Kubernetes {
             api_requests: requests,
             pinged,
@@ -551,6 +556,14 @@ fn api_error(error: kube::Error, what: &str) -> SourceError {
         kube::Error::Api(s) if s.code == 404 => {
             SourceError::UnknownKind(format!("the API server has no {what} (404)"))
         }
+        // Priority and Fairness answers in plain text, which kube cannot read as a Status.
+        kube::Error::Api(s) if s.code == 429 => {
+            tracing::debug!(%what, "the API server has no room for the broker's request (429)");
+            SourceError::Unavailable(format!(
+                "the API server has no room for the broker's request on {what} now (429 Too Many \
+                 Requests); it asks again when the server says"
+            ))
+        }
         kube::Error::Api(s) => {
             tracing::warn!(%what, code = s.code, message = %s.message, "the API server failed");
             SourceError::Unavailable(format!(
@@ -608,10 +621,14 @@ impl Source for Kubernetes {
     /// cluster-wide, or, with `--namespace`, in each namespace — where a grant of some names
     /// only (a Role with `resourceNames`) counts, as per-object watches need no more.
     async fn check(&self) -> Result<(), String> {
-        self.client
-            .apiserver_version()
-            .await
-            .map_err(|e| format!("the API server does not answer: {e}"))?;
+        self.client.apiserver_version().await.map_err(|e| match e {
+            kube::Error::Api(s) if s.code == 429 => {
+                "the API server has no room for the broker's requests now (429 Too Many \
+                     Requests)"
+                    .to_string()
+            }
+            e => format!("the API server does not answer: {e}"),
+        })?;
         let mut kinds = Vec::with_capacity(self.allowed.len());
         for kind in &self.allowed {
             let (names, _) = self

@@ -75,7 +75,7 @@ where
 /// What a request to the API server does, as Kubernetes names its verbs: `get` (one object),
 /// `list` and `watch` (a collection), `create`, `discovery` (`/api`, `/apis` and group
 /// versions), `version`, or `other`.
-fn verb(method: &Method, path: &str, query: &str) -> &'static str {
+pub(super) fn verb(method: &Method, path: &str, query: &str) -> &'static str {
     let segments: Vec<&str> = path.trim_matches('/').split('/').collect();
     let rest = match segments.as_slice() {
         ["version"] => return "version",
