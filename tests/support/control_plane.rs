@@ -78,7 +78,9 @@ pub fn start(address: &str) -> ControlPlane {
 }
 
 impl ControlPlane {
-    /// A client with the admin's rights.
+    /// A client with the admin's rights. A new one each time: a kube client's buffer runs as a
+    /// task of the runtime that made it, and each test has a runtime of its own, while the
+    /// control plane is shared by every test of the binary.
     pub async fn admin(&self) -> kube::Client {
         client_from(&self.admin_kubeconfig).await
     }

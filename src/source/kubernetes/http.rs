@@ -330,6 +330,13 @@ type Room = (
     Option<Arc<tokio::sync::watch::Sender<bool>>>,
 );
 
+/// What a request finds among the connections ([`Shared::find`]).
+enum Found {
+    Room(Room),
+    Settling(tokio::sync::watch::Receiver<bool>),
+    Nothing,
+}
+
 impl Shared {
     /// A place for one request on a connection with room; else, if a connection has not
     /// settled yet, a receiver to wait on (it may have room once it has), which says which.
@@ -350,25 +357,16 @@ impl Shared {
         Ok((lane.sender.clone(), Slot(lane.open.clone()), None))
     }
 
-    /// A place on a connection with room (`Some(Ok)`); or, where a connection has not settled,
-    /// a wait for it (`Some(Err)`: look again), once per connection; `None` when a connection
-    /// must be opened. A new connection learns its stream limit from the server's SETTINGS:
-    /// waiting for them keeps a burst of requests from opening a connection each.
-    async fn room_or_wait(
-        &self,
-        waited: &mut Option<tokio::sync::watch::Receiver<bool>>,
-    ) -> Option<Result<Room, ()>> {
+    /// What a request finds among the connections: a place on one with room; else one that has
+    /// not settled yet and was not waited on by this request (it may have room once it has);
+    /// else nothing, and a connection must be opened.
+    fn find(&self, waited: &Option<tokio::sync::watch::Receiver<bool>>) -> Found {
         match self.take_room() {
-            Ok(room) => Some(Ok(room)),
+            Ok(room) => Found::Room(room),
             Err(Some(settling)) if !waited.as_ref().is_some_and(|w| w.same_channel(&settling)) => {
-                let mut settling = waited.insert(settling).clone();
-                // Woken when it settles, or when its first request failed.
-                if !*settling.borrow_and_update() {
-                    let _ = tokio::time::timeout(CONNECT_TIMEOUT, settling.changed()).await;
-                }
-                Some(Err(()))
+                Found::Settling(settling)
             }
-            Err(_) => None,
+            Err(_) => Found::Nothing,
         }
     }
 
@@ -381,22 +379,29 @@ impl Shared {
             if !self.pinged.now() {
                 return Ok(None);
             }
-            match self.room_or_wait(&mut waited).await {
-                Some(Ok(room)) => return Ok(Some(room)),
-                Some(Err(())) => continue,
-                None => {}
+            match self.find(&waited) {
+                Found::Room(room) => return Ok(Some(room)),
+                Found::Settling(settling) => {
+                    // A new connection learns its stream limit from the server's SETTINGS:
+                    // waiting for them keeps a burst of requests from opening one each. Woken
+                    // when it settles, or when its first request failed; once per connection.
+                    let mut settling = waited.insert(settling).clone();
+                    if !*settling.borrow_and_update() {
+                        let _ = tokio::time::timeout(CONNECT_TIMEOUT, settling.changed()).await;
+                    }
+                    continue;
+                }
+                Found::Nothing => {}
             }
             let opening = self.opening.lock().await;
             // Another request may have opened one meanwhile (wait for it without the lock).
-            match self.take_room() {
-                Ok(room) => return Ok(Some(room)),
-                Err(Some(settling))
-                    if !waited.as_ref().is_some_and(|w| w.same_channel(&settling)) =>
-                {
+            match self.find(&waited) {
+                Found::Room(room) => return Ok(Some(room)),
+                Found::Settling(_) => {
                     drop(opening);
                     continue;
                 }
-                Err(_) => {}
+                Found::Nothing => {}
             }
             let opened = tokio::time::timeout(CONNECT_TIMEOUT, self.open())
                 .await
