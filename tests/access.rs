@@ -6,7 +6,7 @@ mod support;
 
 use std::time::Duration;
 
-use crd_broker::access::{IdentityList, Settings};
+use crd_broker::access::{IdentityList, Mesh, Settings};
 use crd_broker::pb::subscribe_response::Event;
 use fake_apiserver::TokenUser;
 use support::*;
@@ -411,40 +411,123 @@ async fn mtls_reads_the_spiffe_id_in_the_client_certificate() {
     assert_status(&status, Code::Unauthenticated, "no spiffe:// URI SAN");
 }
 
+/// `mesh` identity in `mesh`, its proxy at that mesh's addresses (as `serve --mesh` sets them).
+fn in_mesh(mesh: Mesh, trust_domain: Option<&str>) -> Settings {
+    Settings {
+        mesh: Some(mesh),
+        mesh_proxies: mesh
+            .proxy_addresses()
+            .iter()
+            .map(|a| a.parse().unwrap())
+            .collect(),
+        trust_domain: trust_domain.map(str::to_string),
+        ..settings("mesh")
+    }
+}
+
+const XFCC: &str = "By=spiffe://cluster.local/ns/broker/sa/crd-broker;Hash=0af1;URI=spiffe://cluster.local/ns/team-a/sa/web";
+const L5D_TEAM_A: &str = "web.team-a.serviceaccount.identity.linkerd.cluster.local";
+const L5D_TEAM_B: &str = "api.team-b.serviceaccount.identity.linkerd.cluster.local";
+
 #[tokio::test]
-async fn mesh_headers_are_believed_only_from_the_local_proxy() {
+async fn in_istio_xfcc_from_its_sidecar_is_believed_and_a_linkerd_header_is_a_forgery() {
     let fake = tenants().await;
-    let broker = broker_with_access(&fake, settings("mesh")).await;
-    let xfcc = "By=spiffe://cluster.local/ns/broker/sa/crd-broker;Hash=0af1;URI=spiffe://cluster.local/ns/team-a/sa/web";
-    // From the proxy's address (127.0.0.1 here; 127.0.0.6 in Istio): believed.
-    let mut proxy = connect(broker.addr).await;
-    let mut s = proxy
-        .subscribe(with("x-forwarded-client-cert", xfcc, &ff("team-a", "f")))
+    let broker = broker_with_access(&fake, in_mesh(Mesh::Istio, None)).await;
+    // From the sidecar's address, 127.0.0.6: believed.
+    let mut sidecar = connect_from(broker.addr, "127.0.0.6").await;
+    let mut s = sidecar
+        .subscribe(with("x-forwarded-client-cert", XFCC, &ff("team-a", "f")))
         .await
         .unwrap()
         .into_inner();
     assert_eq!(next(&mut s).await.event(), Event::Snapshot);
     // A client's own element before the proxy's does not count.
-    let forged = format!("URI=spiffe://cluster.local/ns/team-b/sa/api,{xfcc}");
+    let forged = format!("URI=spiffe://cluster.local/ns/team-b/sa/api,{XFCC}");
+    let status = sidecar
+        .subscribe(with("x-forwarded-client-cert", &forged, &ff("team-b", "f")))
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::PermissionDenied);
+    // A pod without a sidecar, through Istio's PERMISSIVE port: Envoy drops its XFCC and
+    // passes the rest, so an l5d-client-id is the client's own. Refused, even with XFCC.
+    let status = sidecar
+        .subscribe(with("l5d-client-id", L5D_TEAM_B, &ff("team-b", "f")))
+        .await
+        .unwrap_err();
+    assert_status(
+        &status,
+        Code::Unauthenticated,
+        "it sent l5d-client-id, which only linkerd's proxy sets, and this broker is in istio",
+    );
+    let mut both = with("x-forwarded-client-cert", XFCC, &ff("team-a", "f"));
+    both.metadata_mut()
+        .insert("l5d-client-id", L5D_TEAM_A.parse().unwrap());
+    assert_eq!(
+        sidecar.subscribe(both).await.unwrap_err().code(),
+        Code::Unauthenticated
+    );
+    // Loopback is not Istio's sidecar: a port-forward or another container is not believed.
+    let mut local = connect(broker.addr).await;
+    let status = local
+        .subscribe(with("x-forwarded-client-cert", XFCC, &ff("team-a", "f")))
+        .await
+        .unwrap_err();
+    assert_status(&status, Code::Unauthenticated, "mesh headers are ignored");
+    let m = metrics(broker.admin_addr.unwrap()).await;
+    assert_eq!(
+        get(
+            &m,
+            r#"crd_broker_identifications_total{source="mesh",result="forged"}"#
+        ),
+        2.0
+    );
+}
+
+#[tokio::test]
+async fn in_linkerd_its_proxys_client_id_is_believed_in_its_trust_domain_and_xfcc_is_a_forgery() {
+    let fake = tenants().await;
+    let broker = broker_with_access(&fake, in_mesh(Mesh::Linkerd, Some("cluster.local"))).await;
+    // From Linkerd's proxy, on loopback: believed.
+    let mut proxy = connect(broker.addr).await;
+    let mut s = proxy
+        .subscribe(with("l5d-client-id", L5D_TEAM_A, &ff("team-a", "f")))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(next(&mut s).await.event(), Event::Snapshot);
     assert_eq!(
         proxy
-            .subscribe(with("x-forwarded-client-cert", &forged, &ff("team-b", "f")))
+            .subscribe(with("l5d-client-id", L5D_TEAM_A, &ff("team-b", "f")))
             .await
             .unwrap_err()
             .code(),
         Code::PermissionDenied
     );
-    let linkerd = "api.team-b.serviceaccount.identity.linkerd.cluster.local";
-    assert!(
-        proxy
-            .subscribe(with("l5d-client-id", linkerd, &ff("team-b", "f")))
-            .await
-            .is_ok()
+    // Another trust domain: not believed.
+    let elsewhere = "web.team-a.serviceaccount.identity.linkerd.other.example";
+    let status = proxy
+        .subscribe(with("l5d-client-id", elsewhere, &ff("team-a", "f")))
+        .await
+        .unwrap_err();
+    assert_status(
+        &status,
+        Code::Unauthenticated,
+        "not \"cluster.local\" (--trust-domain)",
+    );
+    // Linkerd passes a client's own XFCC through: a forgery.
+    let status = proxy
+        .subscribe(with("x-forwarded-client-cert", XFCC, &ff("team-a", "f")))
+        .await
+        .unwrap_err();
+    assert_status(
+        &status,
+        Code::Unauthenticated,
+        "it sent x-forwarded-client-cert, which only istio's proxy sets",
     );
     // From anywhere else: ignored.
     let mut pod = connect_from(broker.addr, "127.0.0.2").await;
     let status = pod
-        .subscribe(with("x-forwarded-client-cert", xfcc, &ff("team-a", "f")))
+        .subscribe(with("l5d-client-id", L5D_TEAM_A, &ff("team-a", "f")))
         .await
         .unwrap_err();
     assert_status(&status, Code::Unauthenticated, "mesh headers are ignored");

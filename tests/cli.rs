@@ -321,13 +321,13 @@ async fn access_settings_that_cannot_work_are_refused_at_start_with_the_reason()
             "--identity mtls needs client certificates",
         ),
         (
-            vec!["--identity", "mesh", "--policy", bad],
+            vec!["--identity", "mesh", "--mesh", "istio", "--policy", bad],
             vec![],
             "line 3",
         ),
         (
             vec!["--identity", "mesh"],
-            vec![("CRD_BROKER_POLICY", bad)],
+            vec![("CRD_BROKER_POLICY", bad), ("CRD_BROKER_MESH", "linkerd")],
             "read \"Not_A_Namespace\"",
         ),
         (vec!["--policy", good], vec![], "--policy needs --identity"),
@@ -350,6 +350,16 @@ async fn access_settings_that_cannot_work_are_refused_at_start_with_the_reason()
             vec![],
             vec![("CRD_BROKER_NAMESPACE", "team-a,Team_B")],
             "\"Team_B\" is not a namespace name",
+        ),
+        (
+            vec!["--identity", "mesh"],
+            vec![],
+            "--identity mesh needs --mesh istio or --mesh linkerd",
+        ),
+        (
+            vec!["--identity", "mesh", "--mesh", "consul"],
+            vec![],
+            "invalid value 'consul' for '--mesh <MESH>'",
         ),
         (
             vec!["--api-qps", "-1"],

@@ -221,6 +221,7 @@ fn every_option_renders_and_stands_in_for_flagd_proxy() {
         "serviceAccount": { "annotations": { "eks.amazonaws.com/role-arn": "arn" } },
         "access": {
             "identity": "mtls,mesh",
+            "mesh": "istio",
             "policy": { "ownNamespace": false, "grants": [{ "from": "team-a", "read": ["shared"], "kinds": ["featureflags.core.openfeature.dev"] }] },
             "maxWatches": 500,
         },
@@ -230,6 +231,7 @@ fn every_option_renders_and_stands_in_for_flagd_proxy() {
     check_types(&docs);
     let serve = args_parse(&docs);
     assert_eq!(serve.identity.to_string(), "mtls,mesh");
+    assert_eq!(serve.mesh, Some(crd_broker::access::Mesh::Istio));
     assert_eq!(serve.max_watches, 500);
     assert_eq!(
         serve.policy.as_deref(),
@@ -303,6 +305,11 @@ fn wrong_values_are_refused_with_a_reason() {
     assert!(err.contains("tls.secretName is required"), "{err}");
     let err = render(json!({ "access": { "identity": "mtls" } })).unwrap_err();
     assert!(err.contains("needs client certificates"), "{err}");
+    let err = render(json!({ "access": { "identity": "peer-pod,mesh" } })).unwrap_err();
+    assert!(
+        err.contains("access.identity mesh needs access.mesh"),
+        "{err}"
+    );
     // With no monitoring namespaces nobody reaches the admin port (an empty `from` would let
     // everyone in).
     let docs = render(json!({ "networkPolicy": { "monitoringNamespaces": [] } })).unwrap();
@@ -492,7 +499,7 @@ mod toml_value {
 fn watch_namespaces_confine_the_broker_and_grant_by_a_role_in_each() {
     let docs = render(json!({
         "watchNamespaces": ["team-a", "team-b"],
-        "access": { "identity": "mesh" },
+        "access": { "identity": "mesh", "mesh": "linkerd" },
     }))
     .expect("renders");
     check_types(&docs);

@@ -21,6 +21,57 @@ pub enum IdentitySource {
     Mesh,
 }
 
+/// The service mesh whose proxy `mesh` identity believes (`--mesh`): each proxy sets its own
+/// header and passes the other mesh's through untouched, so only one can be believed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, clap::ValueEnum)]
+pub enum Mesh {
+    /// Istio: `x-forwarded-client-cert`, set by the sidecar, which removes a client's own on a
+    /// plaintext connection; it delivers from 127.0.0.6 (`::6` over IPv6).
+    Istio,
+    /// Linkerd: `l5d-client-id`, set by its proxy, which delivers from 127.0.0.1 (`::1`).
+    Linkerd,
+}
+
+impl Mesh {
+    /// The name on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            Mesh::Istio => "istio",
+            Mesh::Linkerd => "linkerd",
+        }
+    }
+
+    /// The header its proxy vouches for the caller in.
+    pub fn header(self) -> &'static str {
+        match self {
+            Mesh::Istio => "x-forwarded-client-cert",
+            Mesh::Linkerd => "l5d-client-id",
+        }
+    }
+
+    /// The other mesh's header, which this mesh's proxy passes through as the client sent it.
+    pub fn foreign_header(self) -> &'static str {
+        match self {
+            Mesh::Istio => Mesh::Linkerd.header(),
+            Mesh::Linkerd => Mesh::Istio.header(),
+        }
+    }
+
+    /// The addresses its proxy delivers from, the default `--mesh-proxy-addr`.
+    pub fn proxy_addresses(self) -> &'static [&'static str] {
+        match self {
+            Mesh::Istio => &["127.0.0.6", "::6"],
+            Mesh::Linkerd => &["127.0.0.1", "::1"],
+        }
+    }
+}
+
+impl fmt::Display for Mesh {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 impl IdentitySource {
     /// The name on the command line.
     pub fn name(self) -> &'static str {
@@ -173,11 +224,25 @@ pub fn xfcc(
 }
 
 /// The identity Linkerd's proxy puts in `l5d-client-id`:
-/// `<sa>.<ns>.serviceaccount.identity.<control-plane-ns>.<cluster-domain>`.
-pub fn l5d_client_id(header: &str) -> Result<ServiceAccount, String> {
+/// `<sa>.<ns>.serviceaccount.identity.<control-plane-ns>.<trust-domain>`. With `trust_domain`,
+/// only that trust domain.
+pub fn l5d_client_id(header: &str, trust_domain: Option<&str>) -> Result<ServiceAccount, String> {
     let labels: Vec<&str> = header.trim().split('.').collect();
     match labels.as_slice() {
-        [sa, ns, "serviceaccount", "identity", _, ..] if is_dns_label(ns) && is_dns_label(sa) => {
+        [sa, ns, "serviceaccount", "identity", _, domain @ ..]
+            if is_dns_label(ns) && is_dns_label(sa) =>
+        {
+            let domain = domain.join(".");
+            if let Some(want) = trust_domain
+                && domain != want
+            {
+                return Err(format!(
+                    "l5d-client-id {} is of trust domain {}, not {} (--trust-domain)",
+                    quote(header),
+                    quote(&domain),
+                    quote(want)
+                ));
+            }
             Ok(ServiceAccount {
                 namespace: ns.to_string(),
                 name: sa.to_string(),
@@ -309,19 +374,23 @@ mod tests {
     }
 
     #[test]
-    fn linkerd_client_ids_name_a_service_account() {
+    fn linkerd_client_ids_name_a_service_account_of_the_trust_domain() {
+        let id = "web.team-a.serviceaccount.identity.linkerd.cluster.local";
+        assert_eq!(l5d_client_id(id, None).unwrap(), sa("team-a", "web"));
         assert_eq!(
-            l5d_client_id("web.team-a.serviceaccount.identity.linkerd.cluster.local").unwrap(),
+            l5d_client_id(id, Some("cluster.local")).unwrap(),
             sa("team-a", "web")
         );
-        assert!(l5d_client_id("web.team-a.cluster.local").is_err());
+        let other = l5d_client_id(id, Some("prod.example")).unwrap_err();
+        assert!(other.contains("not \"prod.example\""), "{other}");
+        assert!(l5d_client_id("web.team-a.cluster.local", None).is_err());
     }
 
     proptest! {
         #[test]
         fn header_parsing_never_panics(text in "\\PC{0,200}") {
             let _ = xfcc(&text, None);
-            let _ = l5d_client_id(&text);
+            let _ = l5d_client_id(&text, Some("cluster.local"));
             let _ = spiffe_id(&text, Some("cluster.local"));
         }
 

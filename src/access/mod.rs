@@ -39,7 +39,7 @@ pub mod peer_pod;
 pub mod policy;
 pub mod token;
 
-pub use identity::{IdentityList, IdentitySource};
+pub use identity::{IdentityList, IdentitySource, Mesh};
 pub use layer::Authenticate;
 
 use peer_pod::{Found, PeerPods};
@@ -49,8 +49,9 @@ use token::{Reviewed, Tokens};
 /// The default `--token-audience`.
 pub const DEFAULT_TOKEN_AUDIENCE: &str = "crd-broker";
 
-/// The addresses a local mesh proxy delivers from by default: Istio's inbound passthrough
-/// (`127.0.0.6`), and loopback for older Istio and for Linkerd.
+/// The addresses a local proxy may deliver from, without `--mesh`: Istio's inbound passthrough
+/// (`127.0.0.6`), and loopback for Linkerd. Callers there share an address, so it is not their
+/// limit key. With `--mesh`, that mesh's own ([`Mesh::proxy_addresses`]).
 pub const DEFAULT_MESH_PROXIES: &[&str] = &["127.0.0.1", "127.0.0.6", "::1"];
 
 /// How the access layer is configured.
@@ -64,6 +65,8 @@ pub struct Settings {
     pub policy_reload_interval: Duration,
     /// `--token-audience`: the audiences a TokenReview asks for.
     pub token_audiences: Vec<String>,
+    /// `--mesh`: the mesh whose proxy's header `mesh` identity believes.
+    pub mesh: Option<Mesh>,
     /// `--mesh-proxy-addr`: the addresses whose mesh headers are trusted.
     pub mesh_proxies: Vec<IpAddr>,
     /// `--trust-domain`: the only SPIFFE trust domain accepted, if set.
@@ -84,6 +87,7 @@ impl Default for Settings {
             policy: None,
             policy_reload_interval: Duration::from_secs(2),
             token_audiences: vec![DEFAULT_TOKEN_AUDIENCE.to_string()],
+            mesh: None,
             mesh_proxies: DEFAULT_MESH_PROXIES
                 .iter()
                 .filter_map(|a| a.parse().ok())
@@ -102,6 +106,7 @@ impl fmt::Debug for Settings {
             .field("identity", &self.identity)
             .field("policy", &self.policy)
             .field("token_audiences", &self.token_audiences)
+            .field("mesh", &self.mesh)
             .field("mesh_proxies", &self.mesh_proxies)
             .field("trust_domain", &self.trust_domain)
             .field("limits", &self.limits)
@@ -211,6 +216,8 @@ enum Outcome {
     Identified(Caller),
     Unidentified(String),
     Failed(String),
+    /// A claim of identity the broker knows to be false: refused, whatever else might identify.
+    Forged(String),
 }
 
 /// Open streams, for revocation when the policy changes.
@@ -254,6 +261,11 @@ impl Access {
         if sources.is_empty() && settings.policy.is_some() {
             anyhow::bail!(
                 "--policy needs --identity: with identity off every caller is anonymous and the policy could not apply"
+            );
+        }
+        if sources.contains(&IdentitySource::Mesh) && settings.mesh.is_none() {
+            anyhow::bail!(
+                "--identity mesh needs --mesh istio or --mesh linkerd: each mesh's proxy passes the other's header through as the client sent it, so only the named mesh's is believed"
             );
         }
         if sources.contains(&IdentitySource::Mtls) && !settings.client_certificates {
@@ -393,6 +405,14 @@ impl Access {
                     failed = true;
                     tried.push(format!("{source}: {why}"));
                 }
+                Outcome::Forged(why) => {
+                    self.count_identification(IdentifiedBy::from(source), IdentifyResult::Forged);
+                    let from = conn.peer.ip().map(|ip| ip.to_string()).unwrap_or_default();
+                    tracing::warn!(%from, reason = %why, "a forged identity refused");
+                    return Err(Status::unauthenticated(format!(
+                        "the caller at {from} is refused: {why}"
+                    )));
+                }
             }
         }
         if let PeerAddr::Unix { uid, .. } = conn.peer.addr {
@@ -492,36 +512,47 @@ impl Access {
     }
 
     fn by_mesh(&self, conn: &ConnIdentity, headers: &HeaderMap) -> Outcome {
+        let Some(mesh) = self.settings.mesh else {
+            return Outcome::Unidentified("no --mesh named".into());
+        };
+        // The other mesh's header: no proxy of this mesh sets it, so the client did.
+        if headers.contains_key(mesh.foreign_header()) {
+            return Outcome::Forged(format!(
+                "it sent {}, which only {}'s proxy sets, and this broker is in {mesh} (--mesh {mesh})",
+                mesh.foreign_header(),
+                match mesh {
+                    Mesh::Istio => Mesh::Linkerd,
+                    Mesh::Linkerd => Mesh::Istio,
+                }
+            ));
+        }
         let from_proxy = conn
             .peer
             .ip()
             .is_some_and(|ip| self.settings.mesh_proxies.contains(&ip));
         if !from_proxy {
-            // Anyone can send the headers; only the local proxy's are believed.
+            // Anyone can send the header; only the local proxy's is believed.
             return Outcome::Unidentified(
                 "not from a local mesh proxy address (--mesh-proxy-addr); its mesh headers are ignored"
                     .into(),
             );
         }
-        let joined = |name: &str| {
-            let values: Vec<&str> = headers
-                .get_all(name)
-                .iter()
-                .filter_map(|v| v.to_str().ok())
-                .collect();
-            (!values.is_empty()).then(|| values.join(","))
-        };
-        let found = if let Some(xfcc) = joined("x-forwarded-client-cert") {
-            identity::xfcc(&xfcc, self.settings.trust_domain.as_deref()).map(|(sa, hash)| {
-                (
-                    sa,
-                    Some(hash.unwrap_or_else(|| fingerprint(xfcc.as_bytes()))),
-                )
-            })
-        } else if let Some(id) = headers.get("l5d-client-id").and_then(|v| v.to_str().ok()) {
-            identity::l5d_client_id(id).map(|sa| (sa, None))
-        } else {
-            Err("no x-forwarded-client-cert or l5d-client-id header".into())
+        let values: Vec<&str> = headers
+            .get_all(mesh.header())
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .collect();
+        if values.is_empty() {
+            return Outcome::Unidentified(format!("no {} header", mesh.header()));
+        }
+        let value = values.join(",");
+        let trust_domain = self.settings.trust_domain.as_deref();
+        let found = match mesh {
+            Mesh::Istio => identity::xfcc(&value, trust_domain).map(|(sa, hash)| {
+                let instance = hash.unwrap_or_else(|| fingerprint(value.as_bytes()));
+                (sa, Some(instance))
+            }),
+            Mesh::Linkerd => identity::l5d_client_id(&value, trust_domain).map(|sa| (sa, None)),
         };
         match found {
             Ok((sa, instance)) => Outcome::Identified(Caller::Workload(Workload {

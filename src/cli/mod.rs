@@ -303,12 +303,17 @@ pub struct Serve {
         value_delimiter = ','
     )]
     pub token_audiences: Vec<String>,
-    /// The addresses a local mesh proxy delivers from: only their `x-forwarded-client-cert`
-    /// and `l5d-client-id` headers are believed (`mesh` identity; repeatable).
+    /// The service mesh whose proxy's header `mesh` identity believes: `istio`
+    /// (`x-forwarded-client-cert`) or `linkerd` (`l5d-client-id`); the other's header is a
+    /// forgery. Needed by `--identity mesh`.
+    #[arg(long, env = "CRD_BROKER_MESH", value_enum)]
+    pub mesh: Option<access::Mesh>,
+    /// The addresses a local mesh proxy delivers from: only their mesh header is believed
+    /// (`mesh` identity; repeatable). Default: `--mesh`'s proxy (istio: 127.0.0.6 and ::6;
+    /// linkerd: 127.0.0.1 and ::1); without `--mesh`, 127.0.0.1, 127.0.0.6 and ::1.
     #[arg(
         long = "mesh-proxy-addr",
         env = "CRD_BROKER_MESH_PROXY_ADDR",
-        default_value = "127.0.0.1,127.0.0.6,::1",
         value_delimiter = ','
     )]
     pub mesh_proxies: Vec<IpAddr>,
@@ -453,6 +458,18 @@ impl Start {
 }
 
 impl Serve {
+    /// `--mesh-proxy-addr`, else the named mesh's proxy addresses, else those of both.
+    fn mesh_proxy_addresses(&self) -> Vec<IpAddr> {
+        if !self.mesh_proxies.is_empty() {
+            return self.mesh_proxies.clone();
+        }
+        let defaults = match self.mesh {
+            Some(mesh) => mesh.proxy_addresses(),
+            None => access::DEFAULT_MESH_PROXIES,
+        };
+        defaults.iter().filter_map(|a| a.parse().ok()).collect()
+    }
+
     /// The limit on the broker's requests to the API server (`--api-qps`, `--api-burst`).
     pub fn api_rate(&self) -> anyhow::Result<crate::source::kubernetes::throttle::Rate> {
         if self.api_qps == 0.0 && self.api_burst > 0 {
@@ -494,7 +511,8 @@ impl Serve {
                 policy: self.policy.clone(),
                 policy_reload_interval: self.policy_reload_interval,
                 token_audiences: self.token_audiences.clone(),
-                mesh_proxies: self.mesh_proxies.clone(),
+                mesh: self.mesh,
+                mesh_proxies: self.mesh_proxy_addresses(),
                 trust_domain: self.trust_domain.clone(),
                 limits: limits::Config {
                     max_streams_per_caller: self.max_streams_per_caller,

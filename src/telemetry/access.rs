@@ -68,12 +68,15 @@ pub enum IdentifyResult {
     Unidentified,
     /// A source could not ask the API server (UNAVAILABLE).
     Failed,
+    /// A claim the broker knows to be false (UNAUTHENTICATED): the other mesh's header.
+    Forged,
 }
 
 label_values!(IdentifyResult {
     Identified => "identified",
     Unidentified => "unidentified",
     Failed => "failed",
+    Forged => "forged",
 });
 
 /// Labels of the identification counter.
