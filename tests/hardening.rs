@@ -285,15 +285,24 @@ async fn streams_per_caller_are_limited_per_caller() {
     next(&mut second).await;
     let third = a.subscribe(request(&[&demo("demo")])).await.unwrap_err();
     assert_status(&third, Code::ResourceExhausted, "--max-streams-per-caller");
-    // Another address is another caller; the local proxy's address counts nobody.
+    // Another address is another caller.
     let mut b = connect_from(broker.addr, "127.0.0.3").await;
     assert!(b.subscribe(request(&[&demo("demo")])).await.is_ok());
+    // The local proxy's address (127.0.0.1) stands for many callers: each connection from it is
+    // one, under the limit like any other.
     let mut proxy = connect(broker.addr).await;
     let mut streams = Vec::new();
-    for _ in 0..5 {
-        let s = proxy.subscribe(request(&[&demo("demo")])).await;
-        streams.push(s.expect("127.0.0.1 stands for many callers"));
+    for _ in 0..2 {
+        streams.push(proxy.subscribe(request(&[&demo("demo")])).await.unwrap());
     }
+    let over = proxy
+        .subscribe(request(&[&demo("demo")]))
+        .await
+        .unwrap_err();
+    assert_status(&over, Code::ResourceExhausted, "--max-streams-per-caller");
+    let mut another = connect(broker.addr).await;
+    let s = another.subscribe(request(&[&demo("demo")])).await;
+    streams.push(s.expect("another connection from the proxy is another caller"));
     drop(first);
     let again = tokio::time::timeout(WAIT, async {
         loop {
@@ -305,6 +314,57 @@ async fn streams_per_caller_are_limited_per_caller() {
     })
     .await;
     assert!(again.is_ok(), "a slot comes free when a stream ends");
+}
+
+#[tokio::test]
+async fn one_caller_keeps_at_most_its_share_of_watches_lingering_ones_too() {
+    let fake = fake().await;
+    for name in ["a", "b", "c"] {
+        fake.apply(flag(name, "on")).unwrap();
+    }
+    let config = crd_broker::broker::Config {
+        linger: Duration::from_secs(30),
+        access: Settings {
+            limits: limits::Config {
+                max_watches_per_caller: 2,
+                ..limits::Config::default()
+            },
+            ..Settings::default()
+        },
+        ..Default::default()
+    };
+    let listeners = crd_broker::broker::Listeners {
+        tcp: Some(tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap()),
+        admin: Some(tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap()),
+        ..Default::default()
+    };
+    let broker = broker_with(&fake, listeners, config, vec![]);
+    let mut greedy = connect_from(broker.addr, "127.0.0.2").await;
+    let mut s = subscribe(&mut greedy, &[&demo("a"), &demo("b")]).await;
+    next(&mut s).await;
+    next(&mut s).await;
+    drop(s);
+    // Its streams gone, the watches it started linger: they still count as its own.
+    let over = greedy.subscribe(request(&[&demo("c")])).await.unwrap_err();
+    assert_status(
+        &over,
+        Code::ResourceExhausted,
+        "this caller's requests keep 2 open (lingering ones too) of at most 2 (--max-watches-per-caller)",
+    );
+    // What is watched costs no share; another caller has its own.
+    let mut warm = subscribe(&mut greedy, &[&demo("a")]).await;
+    assert_eq!(next(&mut warm).await.event(), Event::Snapshot);
+    let mut other = connect_from(broker.addr, "127.0.0.3").await;
+    let mut s = subscribe(&mut other, &[&demo("c")]).await;
+    assert_eq!(next(&mut s).await.event(), Event::Snapshot);
+    let m = metrics(broker.admin_addr.unwrap()).await;
+    assert_eq!(
+        get(
+            &m,
+            r#"crd_broker_limit_hits_total{limit="watches_per_caller"}"#
+        ),
+        1.0
+    );
 }
 
 /// Discovery requests the fake saw.

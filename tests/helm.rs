@@ -224,6 +224,7 @@ fn every_option_renders_and_stands_in_for_flagd_proxy() {
             "mesh": "istio",
             "policy": { "ownNamespace": false, "grants": [{ "from": "team-a", "read": ["shared"], "kinds": ["featureflags.core.openfeature.dev"] }] },
             "maxWatches": 500,
+            "maxWatchesPerCaller": 50,
         },
         "networkPolicy": { "monitoringNamespaces": ["monitoring", "observability"] },
     }))
@@ -233,6 +234,10 @@ fn every_option_renders_and_stands_in_for_flagd_proxy() {
     assert_eq!(serve.identity.to_string(), "mtls,mesh");
     assert_eq!(serve.mesh, Some(crd_broker::access::Mesh::Istio));
     assert_eq!(serve.max_watches, 500);
+    assert_eq!(
+        serve.broker_config().access.limits.max_watches_per_caller,
+        50
+    );
     assert_eq!(
         serve.policy.as_deref(),
         Some(Path::new("/etc/crd-broker/policy/policy.yaml"))

@@ -81,6 +81,8 @@ impl Target {
                 "100000",
                 "--new-watch-burst",
                 "100000",
+                "--max-watches-per-caller",
+                "1000000",
             ])
             .args(args)
             .env("KUBECONFIG", kubeconfig)

@@ -1,6 +1,8 @@
-//! Per-caller limits: streams open at once (`--max-streams-per-caller`) and new watches per
-//! second (`--new-watch-rate`, a token bucket of `--new-watch-burst`), so that one caller cannot
-//! exhaust the broker or the API server for everyone else.
+//! Per-caller limits: streams open at once (`--max-streams-per-caller`), new watches per
+//! second (`--new-watch-rate`, a token bucket of `--new-watch-burst`), and watches a caller
+//! caused that are still open, lingering ones too (`--max-watches-per-caller`), so that one
+//! caller cannot exhaust the broker or the API server, or fill `--max-watches`, for everyone
+//! else.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -18,6 +20,8 @@ pub struct Config {
     pub new_watch_rate: f64,
     /// New watches one caller may start at once.
     pub new_watch_burst: f64,
+    /// Watches one caller's requests started that are open now (lingering ones too).
+    pub max_watches_per_caller: usize,
 }
 
 impl Default for Config {
@@ -26,8 +30,16 @@ impl Default for Config {
             max_streams_per_caller: DEFAULT_MAX_STREAMS_PER_CALLER,
             new_watch_rate: DEFAULT_NEW_WATCH_RATE,
             new_watch_burst: DEFAULT_NEW_WATCH_BURST,
+            // None of its own: `serve` gives each caller a share of `--max-watches`.
+            max_watches_per_caller: usize::MAX,
         }
     }
+}
+
+/// The default `--max-watches-per-caller` for `max_watches`: a quarter of it, so that no one
+/// caller can fill it.
+pub fn share_of(max_watches: usize) -> usize {
+    (max_watches / 4).max(1)
 }
 
 /// The default `--max-streams-per-caller`: a pod with a few sidecars holds a few streams.
@@ -45,6 +57,8 @@ struct Account {
     streams: usize,
     tokens: f64,
     at: Instant,
+    /// Watches its requests started, open now.
+    watches: usize,
 }
 
 /// What every caller has used.
@@ -95,12 +109,15 @@ impl Limits {
         let mut accounts = self.accounts.lock().unwrap_or_else(PoisonError::into_inner);
         let now = Instant::now();
         if accounts.len() > TRACKED {
-            accounts.retain(|_, a| a.streams > 0 || refilled(a, &c, now) < c.new_watch_burst);
+            accounts.retain(|_, a| {
+                a.streams > 0 || a.watches > 0 || refilled(a, &c, now) < c.new_watch_burst
+            });
         }
         let account = accounts.entry(key.clone()).or_insert(Account {
             streams: 0,
             tokens: c.new_watch_burst,
             at: now,
+            watches: 0,
         });
         if account.streams >= c.max_streams_per_caller {
             return Err((
@@ -108,6 +125,16 @@ impl Limits {
                 format!(
                     "this caller has {} streams open, the most one caller may (--max-streams-per-caller)",
                     account.streams
+                ),
+            ));
+        }
+        if new_watches > 0 && account.watches.saturating_add(new_watches) > c.max_watches_per_caller
+        {
+            return Err((
+                Limit::WatchesPerCaller,
+                format!(
+                    "this request starts {new_watches} new watches, and this caller's requests keep {} open (lingering ones too) of at most {} (--max-watches-per-caller)",
+                    account.watches, c.max_watches_per_caller
                 ),
             ));
         }
@@ -138,6 +165,36 @@ fn refilled(account: &Account, c: &Config, now: Instant) -> f64 {
     (account.tokens + elapsed * c.new_watch_rate).min(c.new_watch_burst)
 }
 
+impl Slot {
+    /// A watch this stream's request started, charged to its caller until the watch ends
+    /// (`None` for a caller the limits do not apply to).
+    pub fn charge(&self) -> Option<Charge> {
+        let key = self.key.clone()?;
+        let mut accounts = self.accounts.lock().unwrap_or_else(PoisonError::into_inner);
+        accounts.get_mut(&key)?.watches += 1;
+        Some(Charge {
+            key,
+            accounts: self.accounts.clone(),
+        })
+    }
+}
+
+/// One open watch charged to a caller, until dropped.
+#[derive(Debug)]
+pub struct Charge {
+    key: String,
+    accounts: Arc<Mutex<HashMap<String, Account>>>,
+}
+
+impl Drop for Charge {
+    fn drop(&mut self) {
+        let mut accounts = self.accounts.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(a) = accounts.get_mut(&self.key) {
+            a.watches = a.watches.saturating_sub(1);
+        }
+    }
+}
+
 impl Drop for Slot {
     fn drop(&mut self) {
         let Some(key) = &self.key else { return };
@@ -159,7 +216,35 @@ mod tests {
             max_streams_per_caller: streams,
             new_watch_rate: rate,
             new_watch_burst: burst,
+            max_watches_per_caller: 1000,
         })
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn watches_a_caller_started_count_until_they_end_even_after_its_streams() {
+        let l = Limits::new(Config {
+            max_watches_per_caller: 3,
+            ..Config::default()
+        });
+        let a = l.admit(Some("a".into()), 2).unwrap();
+        let watches = [a.charge().unwrap(), a.charge().unwrap()];
+        drop(a);
+        // Its stream gone, its watches linger: they still count.
+        let (limit, why) = l.admit(Some("a".into()), 2).unwrap_err();
+        assert_eq!(limit, Limit::WatchesPerCaller);
+        assert!(why.contains("keep 2 open"), "{why}");
+        let a = l.admit(Some("a".into()), 1).unwrap();
+        let _third = a.charge().unwrap();
+        let _warm = l
+            .admit(Some("a".into()), 0)
+            .expect("warm ones cost nothing");
+        let _b = l
+            .admit(Some("b".into()), 3)
+            .expect("another caller has its own share");
+        drop(watches);
+        l.admit(Some("a".into()), 2)
+            .expect("ended watches are given back");
+        assert!(l.admit(None, 0).unwrap().charge().is_none());
     }
 
     #[tokio::test(start_paused = true)]

@@ -140,10 +140,13 @@ pub struct Workload {
 /// Who is calling.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub enum Caller {
-    /// Identity is off; the peer's IP (none on a unix socket), for the limits.
+    /// Identity is off; the peer's IP (none on a unix socket) and its connection, for the
+    /// limits.
     Anonymous {
         /// The peer's IP.
         ip: Option<IpAddr>,
+        /// The connection's number ([`Peer::id`]).
+        connection: Option<u64>,
     },
     /// A workload, and the source that identified it.
     Workload(Workload),
@@ -161,17 +164,25 @@ impl Caller {
         if let Some(caller) = extensions.get::<Caller>() {
             return caller.clone();
         }
+        let peer = extensions.get::<Peer>();
         Caller::Anonymous {
-            ip: extensions.get::<Peer>().and_then(Peer::ip),
+            ip: peer.and_then(Peer::ip),
+            connection: peer.map(|p| p.id),
         }
     }
 
-    /// The key the limits count this caller under: the most specific thing known about it;
-    /// `None` where it stands for many callers at once (with identity off, a local proxy at
-    /// one of `proxies`, or a unix socket), which per-caller limits would lump together.
+    /// The key the limits count this caller under: the most specific thing known about it.
+    /// Where an address stands for many callers at once (with identity off, a local proxy at
+    /// one of `proxies`, or a unix socket), each connection is a caller of its own.
     fn limit_key(&self, proxies: &[IpAddr]) -> Option<String> {
         match self {
-            Caller::Anonymous { ip: Some(ip) } if !proxies.contains(ip) => Some(format!("ip:{ip}")),
+            Caller::Anonymous { ip: Some(ip), .. } if !proxies.contains(ip) => {
+                Some(format!("ip:{ip}"))
+            }
+            Caller::Anonymous {
+                connection: Some(id),
+                ..
+            } => Some(format!("connection:{id}")),
             Caller::Anonymous { .. } => None,
             Caller::Workload(w) => Some(match (&w.pod, &w.instance) {
                 (Some(pod), _) => format!("pod:{}/{}/{}", w.namespace, pod.name, pod.uid),
@@ -188,8 +199,8 @@ impl Caller {
 impl fmt::Display for Caller {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Caller::Anonymous { ip: Some(ip) } => write!(f, "anonymous ({ip})"),
-            Caller::Anonymous { ip: None } => f.write_str("anonymous (unix socket)"),
+            Caller::Anonymous { ip: Some(ip), .. } => write!(f, "anonymous ({ip})"),
+            Caller::Anonymous { ip: None, .. } => f.write_str("anonymous (unix socket)"),
             Caller::Workload(w) => {
                 write!(f, "{}/{}", w.namespace, w.service_account)?;
                 if let Some(pod) = &w.pod {
@@ -641,7 +652,7 @@ impl Access {
                 );
         }
         Ok(Ticket {
-            _slot: slot,
+            slot,
             id,
             open: registered.then(|| self.open.clone()),
             revoked,
@@ -707,7 +718,7 @@ fn fingerprint(der: &[u8]) -> String {
 /// A stream's admission: it counts the stream against its caller's limit while it lives, and
 /// [`Ticket::revoked`] resolves when a reloaded policy no longer lets the caller read it.
 pub struct Ticket {
-    _slot: limits::Slot,
+    slot: limits::Slot,
     id: u64,
     open: Option<Arc<Open>>,
     revoked: CancellationToken,
@@ -715,6 +726,12 @@ pub struct Ticket {
 }
 
 impl Ticket {
+    /// A watch this stream's request started, charged to its caller until the watch ends
+    /// (`--max-watches-per-caller`).
+    pub fn charge(&self) -> Option<limits::Charge> {
+        self.slot.charge()
+    }
+
     /// Resolves with PERMISSION_DENIED if the stream is revoked; never otherwise.
     pub fn revoked(&self) -> impl Future<Output = Status> + Send + 'static {
         let revoked = self.revoked.clone();

@@ -323,6 +323,10 @@ pub struct Serve {
     /// The most distinct resources watched at once.
     #[arg(long, env = "CRD_BROKER_MAX_WATCHES", default_value_t = broker::DEFAULT_MAX_WATCHES)]
     pub max_watches: usize,
+    /// The most watches one caller's requests may keep open, lingering ones too (a caller the
+    /// broker cannot tell apart is one connection); `0`: a quarter of `--max-watches`.
+    #[arg(long, env = "CRD_BROKER_MAX_WATCHES_PER_CALLER", default_value_t = 0)]
+    pub max_watches_per_caller: usize,
     /// The most streams one caller may have open at once.
     #[arg(long, env = "CRD_BROKER_MAX_STREAMS_PER_CALLER", default_value_t = limits::DEFAULT_MAX_STREAMS_PER_CALLER)]
     pub max_streams_per_caller: usize,
@@ -518,6 +522,10 @@ impl Serve {
                     max_streams_per_caller: self.max_streams_per_caller,
                     new_watch_rate: self.new_watch_rate,
                     new_watch_burst: self.new_watch_burst,
+                    max_watches_per_caller: match self.max_watches_per_caller {
+                        0 => limits::share_of(self.max_watches),
+                        n => n,
+                    },
                 },
                 api: None,
                 client_certificates: self.tls_client_ca.is_some(),
@@ -637,5 +645,24 @@ async fn run_until_signal<S: Source>(
             tracing::warn!("second signal: exiting now");
             std::process::exit(130);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::Serve;
+
+    #[test]
+    fn each_caller_may_keep_a_quarter_of_the_watches_unless_told() {
+        let limits = |args: &[&str]| {
+            let serve = Serve::try_parse_from([&["serve"], args].concat()).unwrap();
+            serve.broker_config().access.limits.max_watches_per_caller
+        };
+        assert_eq!(limits(&[]), 2_500);
+        assert_eq!(limits(&["--max-watches", "400"]), 100);
+        assert_eq!(limits(&["--max-watches", "2"]), 1);
+        assert_eq!(limits(&["--max-watches-per-caller", "7"]), 7);
     }
 }

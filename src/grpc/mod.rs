@@ -113,7 +113,12 @@ pub(crate) async fn admit<S: Source>(
     let ticket = Arc::new(access.admit(caller, &canonical, cold.len())?);
     let mut subscriptions = Vec::with_capacity(canonical.len());
     for selector in &canonical {
-        subscriptions.push(registry.try_subscribe(selector).map_err(|full| {
+        let charge = || {
+            ticket
+                .charge()
+                .map(|c| Box::new(c) as crate::registry::Charge)
+        };
+        subscriptions.push(registry.try_subscribe(selector, charge).map_err(|full| {
             access.count_limit(Limit::MaxWatches);
             Status::resource_exhausted(full.to_string())
         })?);

@@ -209,7 +209,13 @@ struct Stats {
 struct Entry {
     tx: watch::Sender<State>,
     stats: Arc<Stats>,
+    /// What the watch is charged to, held until it ends.
+    _charge: Option<Charge>,
 }
+
+/// Whatever a watch is charged to (a caller's share of the watches), held while it is open and
+/// dropped when it ends.
+pub type Charge = Box<dyn std::any::Any + Send + Sync>;
 
 struct Inner<S> {
     entries: DashMap<Selector, Entry>,
@@ -287,12 +293,17 @@ impl<S: Source> Registry<S> {
 
     /// Subscribes to a resolved selector, starting its watch if nobody watches it yet.
     pub fn subscribe(&self, selector: &Selector) -> Subscription {
-        self.warm(selector).unwrap_or_else(|| self.start(selector))
+        self.warm(selector)
+            .unwrap_or_else(|| self.start(selector, || None))
     }
 
     /// As [`Registry::subscribe`], unless that would start a watch while the registry already
-    /// holds its `max_watches`.
-    pub fn try_subscribe(&self, selector: &Selector) -> Result<Subscription, Full> {
+    /// holds its `max_watches`; a watch it starts is charged to `charge()` until it ends.
+    pub fn try_subscribe(
+        &self,
+        selector: &Selector,
+        charge: impl FnOnce() -> Option<Charge>,
+    ) -> Result<Subscription, Full> {
         if let Some(subscription) = self.warm(selector) {
             return Ok(subscription);
         }
@@ -302,7 +313,7 @@ impl<S: Source> Registry<S> {
         if self.inner.entries.len() >= max {
             return Err(Full { max });
         }
-        Ok(self.start(selector))
+        Ok(self.start(selector, charge))
     }
 
     /// Whether `selector` is watched now (a subscribe would find its watch warm).
@@ -324,9 +335,9 @@ impl<S: Source> Registry<S> {
         })
     }
 
-    /// A subscription to the watch of `selector`, starting it unless a racing subscribe just
-    /// did.
-    fn start(&self, selector: &Selector) -> Subscription {
+    /// A subscription to the watch of `selector`, starting it (charged to `charge()`) unless a
+    /// racing subscribe just did.
+    fn start(&self, selector: &Selector, charge: impl FnOnce() -> Option<Charge>) -> Subscription {
         let (subscription, start) = match self.inner.entries.entry(selector.clone()) {
             MapEntry::Occupied(e) => (
                 Subscription {
@@ -350,6 +361,7 @@ impl<S: Source> Registry<S> {
                 v.insert(Entry {
                     tx: tx.clone(),
                     stats: stats.clone(),
+                    _charge: charge(),
                 });
                 (
                     Subscription {

@@ -17,6 +17,8 @@ pub enum Limit {
     NewWatchRate,
     /// `--max-request-bytes`.
     RequestSize,
+    /// `--max-watches-per-caller`: watches a caller started, open now.
+    WatchesPerCaller,
 }
 
 label_values!(Limit {
@@ -24,6 +26,7 @@ label_values!(Limit {
     StreamsPerCaller => "streams_per_caller",
     NewWatchRate => "new_watch_rate",
     RequestSize => "request_size",
+    WatchesPerCaller => "watches_per_caller",
 });
 
 /// Labels of the limit counter.
@@ -178,6 +181,7 @@ impl AccessMetrics {
             Limit::StreamsPerCaller,
             Limit::NewWatchRate,
             Limit::RequestSize,
+            Limit::WatchesPerCaller,
         ] {
             let _ = self.limit_hits.get_or_create(&LimitLabels { limit });
         }

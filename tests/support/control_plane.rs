@@ -513,12 +513,14 @@ pub async fn create(plane: &ControlPlane, resource: &ApiResource, namespace: &st
 }
 
 /// The broker's values for serving widgets of `group` in `namespace` alone, with `linger`.
+/// The test's one connection stands for many sidecars: no per-caller limit on new watches is
+/// meant to bind.
 pub fn widget_values(group: &str, namespace: &str, linger: &str) -> Value {
     json!({
         "kinds": [{ "group": group, "plural": "widgets", "version": "" }],
         "watchNamespaces": [namespace],
         "linger": linger,
-        "access": { "identity": "none" },
+        "access": { "identity": "none", "newWatchRate": 100000, "newWatchBurst": 100000 },
     })
 }
 
