@@ -49,11 +49,11 @@ impl Mesh {
         }
     }
 
-    /// The other mesh's header, which this mesh's proxy passes through as the client sent it.
-    pub fn foreign_header(self) -> &'static str {
+    /// The other mesh, whose header this mesh's proxy passes through as the client sent it.
+    pub fn other(self) -> Mesh {
         match self {
-            Mesh::Istio => Mesh::Linkerd.header(),
-            Mesh::Linkerd => Mesh::Istio.header(),
+            Mesh::Istio => Mesh::Linkerd,
+            Mesh::Linkerd => Mesh::Istio,
         }
     }
 

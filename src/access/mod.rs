@@ -527,14 +527,11 @@ impl Access {
             return Outcome::Unidentified("no --mesh named".into());
         };
         // The other mesh's header: no proxy of this mesh sets it, so the client did.
-        if headers.contains_key(mesh.foreign_header()) {
+        let other = mesh.other();
+        if headers.contains_key(other.header()) {
             return Outcome::Forged(format!(
-                "it sent {}, which only {}'s proxy sets, and this broker is in {mesh} (--mesh {mesh})",
-                mesh.foreign_header(),
-                match mesh {
-                    Mesh::Istio => Mesh::Linkerd,
-                    Mesh::Linkerd => Mesh::Istio,
-                }
+                "it sent {}, which only {other}'s proxy sets, and this broker is in {mesh} (--mesh {mesh})",
+                other.header()
             ));
         }
         let from_proxy = conn

@@ -262,7 +262,9 @@ fn one_flag(text: &str) -> Result<Selector, Status> {
             ));
         }
     };
-    Selector::new(featureflags(), Some(namespace), name, text).map_err(|e| invalid(&e.to_string()))
+    // The error names the selector already: said once, with what is accepted.
+    Selector::new(featureflags(), Some(namespace), name, text)
+        .map_err(|e| Status::invalid_argument(format!("{e}; crd-broker accepts {FORMS}")))
 }
 
 /// The shared core of both flagd services.
@@ -664,6 +666,18 @@ mod tests {
                 status.message()
             );
         }
+    }
+
+    #[test]
+    fn a_bad_part_names_the_selector_once() {
+        let status = selector(&meta(None), "core.openfeature.dev/DEFAULT/demo").unwrap_err();
+        let message = status.message();
+        assert_eq!(
+            message.matches("core.openfeature.dev/DEFAULT/demo").count(),
+            1,
+            "{message}"
+        );
+        assert!(message.contains("namespace \"DEFAULT\""), "{message}");
     }
 
     #[test]

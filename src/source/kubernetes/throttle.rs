@@ -262,6 +262,15 @@ impl Held {
     }
 }
 
+impl<S> Drop for Throttled<S> {
+    fn drop(&mut self) {
+        // Let through and never called: its place among the requests waiting is given back.
+        if self.admitted {
+            self.gate.done(None);
+        }
+    }
+}
+
 impl<S: Clone> Clone for Throttled<S> {
     fn clone(&self) -> Self {
         Throttled {
@@ -447,6 +456,23 @@ mod tests {
         gate.hold(StatusCode::TOO_MANY_REQUESTS, Some(&date));
         gate.hold(StatusCode::TOO_MANY_REQUESTS, None);
         assert_eq!(gate.take(Instant::now()), Ok(()));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_request_let_through_and_never_sent_gives_its_place_back() {
+        use tower::{Layer, ServiceExt};
+        let throttle = Throttle::new(Rate::default(), ApiRequests::default());
+        // One at a time, as after a 429 with one request waiting.
+        lock(&throttle.0.state).window = Some(1);
+        let service = tower::service_fn(|_: Request<String>| async {
+            Ok::<_, BoxError>(Response::new(String::new()))
+        });
+        let mut first = throttle.layer(service);
+        first.ready().await.unwrap();
+        drop(first);
+        let mut second = throttle.layer(service);
+        let ready = tokio::time::timeout(Duration::from_secs(1), second.ready()).await;
+        assert!(ready.is_ok(), "the place of the one dropped is free");
     }
 
     #[tokio::test(start_paused = true)]
