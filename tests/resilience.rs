@@ -545,3 +545,39 @@ async fn the_brokers_own_rate_limit_paces_its_requests_to_the_api_server() {
     );
     assert!(held(&requests, "rate") > 0.0);
 }
+
+#[tokio::test]
+async fn a_server_answering_410_again_and_again_is_not_listed_in_a_tight_loop() {
+    let fake = fake().await;
+    fake.apply(flag("demo", "v0")).unwrap();
+    let broker = steady_broker(&fake, Duration::from_secs(60), Duration::from_secs(30)).await;
+    let mut client = connect(broker.addr).await;
+    let mut s = subscribe(&mut client, &[&demo("demo")]).await;
+    assert!(is(&next(&mut s).await, Event::Snapshot, "v0"));
+    // Every WATCH from now on is told its version is gone, twenty times.
+    fake.clear_requests();
+    fake.inject(Injection {
+        matcher: Matcher::verb("watch").on(NS_PATH),
+        times: 20,
+        action: Action::Status {
+            code: 410,
+            retry_after: None,
+        },
+    });
+    fake.abort_watches();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let lists = fake.requests().iter().filter(|r| r.verb == "list").count();
+    // The backoff (100 ms, then doubling, each between half and all) allows five in a second;
+    // without it, the twenty would all be spent at once.
+    assert!(lists <= 5, "{lists} LISTs in a second");
+    // And the resource is followed again once the server stops.
+    fake.clear_faults();
+    patch(&fake, "demo", "v1");
+    let update = tokio::time::timeout(
+        Duration::from_secs(20),
+        until(&mut s, |m| is(m, Event::Updated, "v1")),
+    )
+    .await
+    .expect("the change arrives once the 410s stop");
+    assert!(is(&update, Event::Updated, "v1"));
+}

@@ -270,7 +270,7 @@ impl Follow {
                                 return Some((Event::Recovered { rv }, self));
                             }
                         }
-                        Err(kube::Error::Api(s)) if s.code == 410 => self.phase = Phase::List,
+                        Err(kube::Error::Api(s)) if s.code == 410 => self.relist(),
                         Err(e) => return Some((self.fail(e, Phase::Watch(rv)), self)),
                     }
                 }
@@ -314,7 +314,7 @@ impl Follow {
                                 None
                             }
                             WatchEvent::Error(s) if s.code == 410 => {
-                                // Compacted past our version: start over from a fresh list.
+                                self.relist();
                                 continue;
                             }
                             WatchEvent::Error(s) => {
@@ -345,6 +345,14 @@ impl Follow {
                 },
             }
         }
+    }
+
+    /// The API server compacted past the version the watch would resume from (410): start over
+    /// from a fresh LIST, after the backoff, so that a server answering 410 again and again is
+    /// not listed in a tight loop (the backoff restarts once a watch holds).
+    fn relist(&mut self) {
+        self.phase = Phase::List;
+        self.wait = Some((self.backoff.failed(), false));
     }
 
     /// Records a failure of the request in `retry`, to be retried after the backoff.
