@@ -438,37 +438,19 @@ impl ControlPlane {
     /// The WATCH requests the API server is serving now on `resource` of `group`, from its
     /// own metrics (`apiserver_longrunning_requests`).
     pub async fn open_watches(&self, group: &str, resource: &str) -> f64 {
-        let group = format!("group=\"{group}\"");
-        let resource = format!("resource=\"{resource}\"");
-        self.metrics()
-            .await
-            .iter()
-            .filter(|(series, _)| {
-                series.starts_with("apiserver_longrunning_requests{")
-                    && series.contains("verb=\"WATCH\"")
-                    && series.contains(&group)
-                    && series.contains(&resource)
-            })
-            .map(|(_, value)| value)
-            .sum()
+        let labels = [("verb", "WATCH"), ("group", group), ("resource", resource)];
+        super::total(
+            &self.metrics().await,
+            "apiserver_longrunning_requests",
+            &labels,
+        )
     }
 
     /// What the API server counted for `group`'s widgets: `apiserver_request_total` by verb,
-    /// summed over codes and scopes (folded from 0: a float sum starts at -0). A WATCH counts
-    /// once it has ended.
+    /// summed over codes and scopes. A WATCH counts once it has ended.
     pub async fn requests(&self, group: &str, verb: &str) -> f64 {
-        let group = format!("group=\"{group}\"");
-        let verb = format!("verb=\"{verb}\"");
-        self.metrics()
-            .await
-            .iter()
-            .filter(|(series, _)| {
-                series.starts_with("apiserver_request_total{")
-                    && series.contains(&group)
-                    && series.contains(&verb)
-                    && series.contains("resource=\"widgets\"")
-            })
-            .fold(0.0, |sum, (_, v)| sum + v)
+        let labels = [("verb", verb), ("group", group), ("resource", "widgets")];
+        super::total(&self.metrics().await, "apiserver_request_total", &labels)
     }
 }
 

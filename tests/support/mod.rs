@@ -544,6 +544,22 @@ pub async fn metrics(admin: std::net::SocketAddr) -> std::collections::BTreeMap<
     scrape(&body)
 }
 
+/// The sum of `name`'s series that carry every label of `labels` (folded from 0: a float sum
+/// starts at -0).
+pub fn total(
+    m: &std::collections::BTreeMap<String, f64>,
+    name: &str,
+    labels: &[(&str, &str)],
+) -> f64 {
+    let prefix = format!("{name}{{");
+    let labels: Vec<String> = labels.iter().map(|(k, v)| format!("{k}=\"{v}\"")).collect();
+    m.iter()
+        .filter(|(series, _)| {
+            series.starts_with(&prefix) && labels.iter().all(|l| series.contains(l.as_str()))
+        })
+        .fold(0.0, |sum, (_, v)| sum + v)
+}
+
 /// One sample's value (0 when absent).
 pub fn get(m: &std::collections::BTreeMap<String, f64>, key: &str) -> f64 {
     m.get(key).copied().unwrap_or(0.0)

@@ -173,7 +173,7 @@ impl Gate {
     /// A request that went has its answer (`None`: it failed, or was given up).
     fn done(&self, status: Option<StatusCode>) {
         let mut state = lock(&self.state);
-        state.waiting -= 1;
+        state.waiting = state.waiting.saturating_sub(1);
         match (status, state.window) {
             // Priority and Fairness had no seat for it: half as many at once.
             (Some(StatusCode::TOO_MANY_REQUESTS), window) => {
