@@ -245,3 +245,179 @@ async fn malformed_sets_are_invalid_arguments_naming_the_fault() {
     let mut s = subscribe(&mut client, &[&demo("demo")]).await;
     assert_eq!(next(&mut s).await.event(), Event::Snapshot);
 }
+
+/// A broker on the fake with an admin port, lingering `linger`, at most `max_watches` watches.
+async fn broker_for_sets(
+    fake: &fake_apiserver::FakeApiServer,
+    linger: Duration,
+    max_watches: usize,
+    limits: crd_broker::access::limits::Config,
+) -> crd_broker::broker::Running<crd_broker::source::kubernetes::Kubernetes> {
+    let config = crd_broker::broker::Config {
+        linger,
+        max_watches,
+        access: crd_broker::access::Settings {
+            limits,
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let listeners = crd_broker::broker::Listeners {
+        tcp: Some(tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap()),
+        admin: Some(tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap()),
+        ..Default::default()
+    };
+    broker_with(fake, listeners, config, vec![])
+}
+
+fn flagd_set(selector: &str) -> crd_broker::pb::flagd::SyncFlagsRequest {
+    crd_broker::pb::flagd::SyncFlagsRequest {
+        provider_id: "test".into(),
+        selector: format!("core.openfeature.dev/default?labelSelector={selector}"),
+    }
+}
+
+const SET: &str = "featureflags.v1beta1.core.openfeature.dev/default?labelSelector=app=checkout";
+const R: &str = r#"resource="featureflags.core.openfeature.dev""#;
+
+#[tokio::test]
+async fn a_set_is_one_watch_of_the_registry_over_both_protocols_listed_counted_and_lingering() {
+    use crd_broker::pb::flagd::flag_sync_service_client::FlagSyncServiceClient;
+    let fake = fake().await;
+    fake.apply(labelled("a", "checkout")).unwrap();
+    let linger = Duration::from_secs(2);
+    let broker = broker_for_sets(&fake, linger, 100, Default::default()).await;
+    let mut native = connect(broker.addr).await;
+    let mut s = native
+        .subscribe(set("app%3Dcheckout"))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(seen(&mut s).await, (Event::Snapshot, "a".into()));
+    assert_eq!(next(&mut s).await.event(), Event::Synced);
+    let mut flagd = FlagSyncServiceClient::connect(format!("http://{}", broker.addr))
+        .await
+        .unwrap();
+    let mut f = flagd
+        .sync_flags(flagd_set("app%3Dcheckout"))
+        .await
+        .unwrap()
+        .into_inner();
+    let config = f.message().await.unwrap().unwrap().flag_configuration;
+    assert!(config.contains(r#""f":"#), "{config}");
+    let labelled_watches = || {
+        fake.watches()
+            .iter()
+            .filter(|w| w.label_selector == "app=checkout")
+            .count()
+    };
+    assert_eq!(labelled_watches(), 1, "one API watch for both protocols");
+    let admin = broker.admin_addr.unwrap();
+    let (_, body) = http_get(admin, "/debug/watches").await;
+    let listed: serde_json::Value = serde_json::from_str(&body).unwrap();
+    let watches = listed["watches"].as_array().unwrap();
+    assert_eq!(watches.len(), 1, "{body}");
+    assert_eq!(watches[0]["selector"], SET, "{body}");
+    assert_eq!(watches[0]["subscribers"], 2, "{body}");
+    assert_eq!(watches[0]["members"], 1, "{body}");
+    let m = metrics(admin).await;
+    assert_eq!(get(&m, &format!("crd_broker_watches{{{R}}}")), 1.0);
+    assert_eq!(
+        get(&m, &format!("crd_broker_watch_starts_total{{{R}}}")),
+        1.0
+    );
+    // A member's change is an update of the watch.
+    fake.merge_patch(GV, "featureflags", "default", "a", variant_patch("off"))
+        .unwrap();
+    assert_eq!(seen(&mut s).await, (Event::Updated, "a".into()));
+    f.message().await.unwrap().unwrap();
+    let m = metrics(admin).await;
+    assert!(get(&m, &format!("crd_broker_updates_total{{{R}}}")) >= 2.0);
+    // Both leave: the watch lingers, then stops as a resource's does.
+    drop((s, f));
+    tokio::time::sleep(linger / 2).await;
+    assert_eq!(labelled_watches(), 1, "lingering");
+    eventually("the watch stopped after the linger", WAIT, async || {
+        labelled_watches() == 0
+    })
+    .await;
+    let m = metrics(admin).await;
+    assert_eq!(get(&m, &format!("crd_broker_watches{{{R}}}")), 0.0);
+    assert_eq!(
+        get(
+            &m,
+            &format!(r#"crd_broker_watch_stops_total{{{R},reason="idle"}}"#)
+        ),
+        1.0
+    );
+}
+
+#[tokio::test]
+async fn sets_count_against_max_watches_and_only_a_cold_one_costs_a_new_watch() {
+    let fake = fake().await;
+    fake.apply(labelled("a", "checkout")).unwrap();
+    fake.apply(flag("demo", "on")).unwrap();
+    let limits = crd_broker::access::limits::Config {
+        new_watch_rate: 0.001,
+        new_watch_burst: 2.0,
+        ..Default::default()
+    };
+    let broker = broker_for_sets(&fake, Duration::from_secs(30), 2, limits).await;
+    let mut client = connect(broker.addr).await;
+    let mut streams = Vec::new();
+    // The first set costs one of the caller's two new watches; its second subscriber none.
+    for _ in 0..3 {
+        let mut s = client
+            .subscribe(set("app%3Dcheckout"))
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(seen(&mut s).await, (Event::Snapshot, "a".into()));
+        streams.push(s);
+    }
+    let mut other = client
+        .subscribe(set("app%3Dcart"))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(next(&mut other).await.event(), Event::Synced);
+    // Two watches held, both sets: the broker is full for another set and for a resource.
+    let status = client.subscribe(set("app%3Dthird")).await.unwrap_err();
+    assert_status(&status, Code::ResourceExhausted, "--max-watches");
+    let status = client
+        .subscribe(request(&[&demo("demo")]))
+        .await
+        .unwrap_err();
+    assert_status(&status, Code::ResourceExhausted, "--max-watches");
+    // The sets already watched are still served to anyone.
+    let mut warm = connect(broker.addr).await;
+    let mut s = warm
+        .subscribe(set("app%3Dcheckout"))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(seen(&mut s).await, (Event::Snapshot, "a".into()));
+    assert_eq!(broker.registry.len(), 2);
+}
+
+#[tokio::test]
+async fn a_callers_share_of_the_watches_counts_its_sets() {
+    let fake = fake().await;
+    let limits = crd_broker::access::limits::Config {
+        max_watches_per_caller: 2,
+        ..Default::default()
+    };
+    let broker = broker_for_sets(&fake, Duration::from_secs(30), 100, limits).await;
+    let mut client = connect(broker.addr).await;
+    for app in ["one", "two"] {
+        let mut s = client
+            .subscribe(set(&format!("app%3D{app}")))
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(next(&mut s).await.event(), Event::Synced);
+        // Left at once: the watch lingers, and is still the caller's.
+    }
+    let status = client.subscribe(set("app%3Dthree")).await.unwrap_err();
+    assert_status(&status, Code::ResourceExhausted, "--max-watches-per-caller");
+}

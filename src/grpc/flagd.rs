@@ -24,9 +24,9 @@ use super::messages::{End, Messages, Next};
 use super::{Admitted, Delivery, admit, drain_of, shutting_down, source_status};
 use crate::access::{Access, Caller, Ticket};
 use crate::pb::{flagd, legacy};
-use crate::registry::{Registry, State, Subscription, Wire};
+use crate::registry::{Members, Registry, State, Subscription, Wire};
 use crate::selector::{KindRef, Selector};
-use crate::source::Source;
+use crate::source::{Set, Source};
 
 /// The largest message the flagd clients accept (their gRPC receive limit).
 pub const MAX_MESSAGE: usize = 4 * 1024 * 1024;
@@ -139,29 +139,40 @@ pub fn merged_configuration<'a>(
     (Value::Object(config).to_string(), conflicts)
 }
 
-/// The merged configuration of a set's `members` once listed; `None` before. It is made once
-/// per state of the set, whatever the number of its subscribers, and its conflicts are counted
-/// and logged then.
+/// Which [`Members::wire`] slot holds a set's merged configuration as text; the protocols'
+/// encodings of it are in their own slots.
+const MERGED: usize = 3;
+
+/// The merged configuration of a set's `members` once listed (`None` before), encoded for
+/// `protocol`, or as text for none. It is made and encoded once per state of the set, whatever
+/// the number of its subscribers, and its conflicts are counted and logged then.
 fn merged(
     metrics: &crate::telemetry::Metrics,
     set: &str,
-    members: &super::sets::Members,
-) -> Option<Result<String, Status>> {
+    members: &Members,
+    protocol: Option<Protocol>,
+) -> Option<Result<Wire, Status>> {
     if !members.synced {
         return match &members.failure {
             Some(e) if !e.is_outage() => Some(Err(source_status(0, e))),
             _ => None,
         };
     }
-    let config = members.merged.get_or_init(|| {
-        let (config, conflicts) = merged_configuration(members.objects.values());
+    let text = members.wire(MERGED, |members| {
+        let objects = members.objects.values().map(|u| &u.object);
+        let (config, conflicts) = merged_configuration(objects);
         if !conflicts.is_empty() {
             metrics.subscriptions.flag_conflicts.inc_by(conflicts.len() as u64);
             tracing::warn!(%set, keys = ?conflicts, "flags defined by more than one FeatureFlag of a set; the first in name order is kept");
         }
-        config
+        config.into()
     });
-    Some(Ok(config.clone()))
+    Some(Ok(match protocol {
+        None => text,
+        Some(protocol) => members.wire(protocol.slot(), |_| {
+            protocol.encode(String::from_utf8_lossy(&text.bytes).into_owned())
+        }),
+    }))
 }
 
 /// What a flagd selector names: one FeatureFlag, or a set of them.
@@ -169,7 +180,7 @@ pub enum Target {
     /// `core.openfeature.dev/<namespace>/<name>`.
     One(Selector),
     /// `core.openfeature.dev/<namespace>?labelSelector=<URL-encoded selector>`.
-    Set(crate::source::Set),
+    Set(Set),
 }
 
 /// FeatureFlags at the version the API server prefers (discovery says which): not pinned, so
@@ -228,7 +239,7 @@ pub fn target(metadata: &MetadataMap, body: &str) -> Result<Target, Status> {
     let labels = labels
         .parse()
         .map_err(|e: String| invalid(format!("has a bad label selector: {e}")))?;
-    Ok(Target::Set(crate::source::Set {
+    Ok(Target::Set(Set {
         kind: featureflags(),
         namespace,
         labels,
@@ -273,7 +284,6 @@ pub struct FlagdCore<S> {
     access: Arc<Access>,
     shutdown: CancellationToken,
     limit: usize,
-    sets: Arc<super::sets::Sets>,
 }
 
 impl<S: Source> FlagdCore<S> {
@@ -285,7 +295,6 @@ impl<S: Source> FlagdCore<S> {
             access,
             shutdown,
             limit: MAX_MESSAGE,
-            sets: Arc::default(),
         }
     }
 
@@ -293,36 +302,33 @@ impl<S: Source> FlagdCore<S> {
     async fn subscribe_set(
         &self,
         caller: &Caller,
-        set: &crate::source::Set,
-    ) -> Result<(tokio::sync::watch::Receiver<super::sets::Members>, Ticket), Status> {
-        let probe = set.member("set");
-        self.access.precheck(caller, &probe)?;
-        let resolved = self
-            .registry
-            .resolve(&probe)
-            .await
-            .map_err(|e| source_status(0, &e))?;
-        self.access.authorize(caller, &probe)?;
-        let ticket = self.access.admit(caller, &[probe], 1)?;
-        // The kind as the source serves it now (its preferred version).
-        let set = crate::source::Set {
-            kind: resolved.kind,
-            ..set.clone()
-        };
-        let members = self
-            .sets
-            .subscribe(self.registry.source(), &set, self.registry.linger());
-        Ok((members, ticket))
+        set: &Set,
+    ) -> Result<(Set, Subscription<Members>, Arc<Ticket>), Status> {
+        let Admitted {
+            mut canonical,
+            mut subscriptions,
+            ticket,
+        } = admit(
+            &self.registry,
+            &self.access,
+            caller,
+            std::slice::from_ref(set),
+        )
+        .await?;
+        match (canonical.pop(), subscriptions.pop()) {
+            (Some(set), Some(members)) => Ok((set, members, ticket)),
+            _ => Err(Status::internal("admitted no set")),
+        }
     }
 
     async fn sync_set(
         &self,
         request_drain: crate::conn::ConnDrain,
         caller: Caller,
-        set: crate::source::Set,
+        set: Set,
         protocol: Protocol,
     ) -> Result<BoxStream<'static, Result<Encoded, Status>>, Status> {
-        let (members, ticket) = self.subscribe_set(&caller, &set).await?;
+        let (set, members, ticket) = self.subscribe_set(&caller, &set).await?;
         let (metrics, limit) = (self.registry.metrics().clone(), self.limit);
         let revoked = ticket.revoked();
         let active = crate::telemetry::ActiveSync::new(&metrics.subscriptions);
@@ -335,7 +341,7 @@ impl<S: Source> FlagdCore<S> {
         });
         let name = set.to_string();
         let frames = futures::stream::unfold(
-            (members, ends, None::<String>, true),
+            (members, ends, None::<u64>, true),
             move |(mut members, mut ends, last, first)| {
                 let metrics = metrics.clone();
                 let name = name.clone();
@@ -345,25 +351,28 @@ impl<S: Source> FlagdCore<S> {
                         if !std::mem::take(&mut first) {
                             tokio::select! {
                                 status = &mut ends => return Some((Err(status), (members, ends, last, false))),
-                                changed = members.changed() => if changed.is_err() {
-                                    return Some((Err(super::sets::watch_ended()), (members, ends, last, false)));
+                                changed = members.changed() => if !changed {
+                                    return Some((Err(shutting_down()), (members, ends, last, false)));
                                 },
                             }
                         }
-                        let current = members.borrow_and_update().clone();
-                        match merged(&metrics, &name, &current) {
+                        let current = members.current();
+                        match merged(&metrics, &name, &current, Some(protocol)) {
                             None => continue,
                             Some(Err(status)) => {
                                 return Some((Err(status), (members, ends, last, false)));
                             }
-                            Some(Ok(config)) if last.as_ref() == Some(&config) => continue,
-                            Some(Ok(config)) if config.len() > limit => {
-                                let status = too_large(&name, config.len(), limit);
+                            Some(Ok(wire)) if last == Some(wire.digest) => continue,
+                            Some(Ok(wire)) if wire.bytes.len() > limit => {
+                                let status = too_large(&name, wire.bytes.len(), limit);
                                 return Some((Err(status), (members, ends, last, false)));
                             }
-                            Some(Ok(config)) => {
-                                let encoded = Encoded(protocol.encode(config.clone()));
-                                return Some((Ok(encoded), (members, ends, Some(config), false)));
+                            Some(Ok(wire)) => {
+                                let digest = Some(wire.digest);
+                                return Some((
+                                    Ok(Encoded(wire.bytes)),
+                                    (members, ends, digest, false),
+                                ));
                             }
                         }
                     }
@@ -373,15 +382,16 @@ impl<S: Source> FlagdCore<S> {
         Ok(super::until_error(frames).boxed())
     }
 
-    async fn fetch_set(&self, caller: Caller, set: crate::source::Set) -> Result<String, Status> {
-        let (mut members, _ticket) = self.subscribe_set(&caller, &set).await?;
+    async fn fetch_set(&self, caller: Caller, set: Set) -> Result<String, Status> {
+        let (set, mut members, _ticket) = self.subscribe_set(&caller, &set).await?;
+        let name = set.to_string();
         let wait = async {
             loop {
-                let current = members.borrow_and_update().clone();
-                if let Some(config) = merged(self.registry.metrics(), &set.to_string(), &current) {
+                let current = members.current();
+                if let Some(config) = merged(self.registry.metrics(), &name, &current, None) {
                     return config;
                 }
-                if members.changed().await.is_err() {
+                if !members.changed().await {
                     return Err(shutting_down());
                 }
             }
@@ -391,10 +401,10 @@ impl<S: Source> FlagdCore<S> {
                 "no answer from the source for {set} within {FETCH_WAIT:?}"
             ))
         })??;
-        if config.len() > self.limit {
-            return Err(too_large(&set.to_string(), config.len(), self.limit));
+        if config.bytes.len() > self.limit {
+            return Err(too_large(&name, config.bytes.len(), self.limit));
         }
-        Ok(config)
+        Ok(String::from_utf8_lossy(&config.bytes).into_owned())
     }
 
     async fn subscribe(

@@ -178,7 +178,7 @@ mod tests {
         registry: &Registry<Silent>,
         drain: &ConnDrain,
     ) -> Messages<impl FnMut(&State) -> Next<()> + Send + Unpin + 'static> {
-        let selector = "widgets.example.com/default/a".parse().unwrap();
+        let selector: Selector = "widgets.example.com/default/a".parse().unwrap();
         Messages::new(
             registry.subscribe(&selector),
             End::new(drain.clone(), None),
@@ -219,7 +219,7 @@ mod tests {
     #[tokio::test]
     async fn a_drain_cancelled_before_the_first_poll_ends_the_stream_at_once() {
         let registry = registry();
-        let selector = "widgets.example.com/default/a".parse().unwrap();
+        let selector: Selector = "widgets.example.com/default/a".parse().unwrap();
         let drain = ConnDrain::new(CancellationToken::new());
         drain.token().cancel();
         let mut stream = Messages::new(
@@ -235,7 +235,7 @@ mod tests {
     #[tokio::test]
     async fn a_failure_ends_the_stream_after_it() {
         let registry = registry();
-        let selector = "widgets.example.com/default/a".parse().unwrap();
+        let selector: Selector = "widgets.example.com/default/a".parse().unwrap();
         let mut stream = Messages::new(
             registry.subscribe(&selector),
             End::new(ConnDrain::new(CancellationToken::new()), None),

@@ -15,9 +15,9 @@ use crate::conn::{ConnDrain, DrainReason};
 use crate::pb;
 use crate::pb::broker_server::Broker;
 use crate::pb::subscribe_response::Event;
-use crate::registry::{Registry, State, Subscription, Update};
+use crate::registry::{Registry, State, Subscription, Update, Watched};
 use crate::selector::{KindRef, ParseError, Selector};
-use crate::source::{ALL_NAMESPACES, Source, SourceError};
+use crate::source::{ALL_NAMESPACES, Set, Source, SourceError};
 use crate::telemetry::{
     FirstMessageLabels, Limit, Metrics, Protocol, ResourceLabels, SubscriberLabels, Watch,
 };
@@ -62,42 +62,76 @@ fn indexed(index: usize, status: Status) -> Status {
     )
 }
 
-/// A request admitted: the canonical selectors, a subscription to each, and the ticket its
+/// What a request may name: a resource, or a set.
+pub(crate) trait Wanted: Watched {
+    /// The resource the policy and the source's resolution judge it by.
+    fn probe(&self) -> Selector;
+
+    /// It, canonical: as `resolved` (its probe, resolved) says.
+    fn canonical(&self, resolved: Selector) -> Self;
+}
+
+impl Wanted for Selector {
+    fn probe(&self) -> Selector {
+        self.clone()
+    }
+
+    fn canonical(&self, resolved: Selector) -> Self {
+        resolved
+    }
+}
+
+impl Wanted for Set {
+    fn probe(&self) -> Selector {
+        // Policy and resolution look at the kind and namespace only; the name is never read.
+        self.member("set")
+    }
+
+    fn canonical(&self, resolved: Selector) -> Self {
+        Set {
+            kind: resolved.kind,
+            ..self.clone()
+        }
+    }
+}
+
+/// A request admitted: what it names, canonical, a subscription to each, and the ticket its
 /// streams hold.
-pub(crate) struct Admitted {
-    pub(crate) canonical: Vec<Selector>,
-    pub(crate) subscriptions: Vec<Subscription>,
+pub(crate) struct Admitted<W: Watched = Selector> {
+    pub(crate) canonical: Vec<W>,
+    pub(crate) subscriptions: Vec<Subscription<W::State>>,
     pub(crate) ticket: Arc<Ticket>,
 }
 
-/// The one way into the registry, for every protocol: the policy before anything is resolved
-/// (so a namespace the caller may not read costs no API call, and the answer is the same whether
-/// or not the resource exists), resolution (`--resource` is checked before any API call), the
-/// policy on the resolved kinds, the caller's limits and `--max-watches`, then a subscription per
-/// resource.
-pub(crate) async fn admit<S: Source>(
+/// The one way into the registry, for every protocol and for resources and sets alike: the
+/// policy before anything is resolved (so a namespace the caller may not read costs no API call,
+/// and the answer is the same whether or not the resource exists), resolution (`--resource` is
+/// checked before any API call), the policy on the resolved kinds, the caller's limits and
+/// `--max-watches` (only what is not watched yet counts as new), then a subscription to each.
+pub(crate) async fn admit<S: Source, W: Wanted>(
     registry: &Registry<S>,
     access: &Access,
     caller: &Caller,
-    selectors: &[Selector],
-) -> Result<Admitted, Status> {
-    for (i, selector) in selectors.iter().enumerate() {
-        access
-            .precheck(caller, selector)
-            .map_err(|s| indexed(i, s))?;
+    wanted: &[W],
+) -> Result<Admitted<W>, Status> {
+    let probes: Vec<Selector> = wanted.iter().map(Wanted::probe).collect();
+    for (i, probe) in probes.iter().enumerate() {
+        access.precheck(caller, probe).map_err(|s| indexed(i, s))?;
     }
-    let resolved = futures::future::join_all(selectors.iter().map(|s| registry.resolve(s))).await;
+    let resolved = futures::future::join_all(probes.iter().map(|s| registry.resolve(s))).await;
+    let mut judged = Vec::with_capacity(resolved.len());
     let mut canonical = Vec::with_capacity(resolved.len());
-    for (i, r) in resolved.into_iter().enumerate() {
+    for (i, (r, w)) in resolved.into_iter().zip(wanted).enumerate() {
         let selector = r.map_err(|e| source_status(i, &e))?;
         access
             .authorize(caller, &selector)
             .map_err(|s| indexed(i, s))?;
-        canonical.push(selector);
+        canonical.push(w.canonical(selector.clone()));
+        judged.push(selector);
     }
-    let mut cold: Vec<&Selector> = canonical
+    let mut cold: Vec<&W> = canonical
         .iter()
-        .filter(|s| !registry.is_watched(s))
+        .filter(|w| !registry.is_watched(*w))
         .collect();
     cold.sort();
     cold.dedup();
@@ -105,20 +139,20 @@ pub(crate) async fn admit<S: Source>(
     if !cold.is_empty() && registry.len().saturating_add(cold.len()) > max {
         access.count_limit(Limit::MaxWatches);
         return Err(Status::resource_exhausted(format!(
-            "this request starts {} new watches, and the broker watches {} resources of at most {max} (--max-watches)",
+            "this request starts {} new watches, and the broker watches {} resources and sets of at most {max} (--max-watches)",
             cold.len(),
             registry.len()
         )));
     }
-    let ticket = Arc::new(access.admit(caller, &canonical, cold.len())?);
+    let ticket = Arc::new(access.admit(caller, &judged, cold.len())?);
     let mut subscriptions = Vec::with_capacity(canonical.len());
-    for selector in &canonical {
+    for w in &canonical {
         let charge = || {
             ticket
                 .charge()
                 .map(|c| Box::new(c) as crate::registry::Charge)
         };
-        subscriptions.push(registry.try_subscribe(selector, charge).map_err(|full| {
+        subscriptions.push(registry.try_subscribe(w, charge).map_err(|full| {
             access.count_limit(Limit::MaxWatches);
             Status::resource_exhausted(full.to_string())
         })?);
@@ -169,7 +203,6 @@ pub struct BrokerService<S> {
     registry: Registry<S>,
     access: Arc<Access>,
     shutdown: CancellationToken,
-    sets: Arc<sets::Sets>,
 }
 
 impl<S: Source> BrokerService<S> {
@@ -180,7 +213,6 @@ impl<S: Source> BrokerService<S> {
             registry,
             access,
             shutdown,
-            sets: Arc::default(),
         }
     }
 
@@ -213,26 +245,19 @@ impl<S: Source> BrokerService<S> {
         if all {
             probe.namespace = Some(ALL_NAMESPACES.into());
         }
-        self.access
-            .precheck(caller, &probe)
-            .map_err(|s| indexed(0, s))?;
-        let canonical = self
-            .registry
-            .resolve(&probe)
-            .await
-            .map_err(|e| source_status(0, &e))?;
-        self.access
-            .authorize(caller, &canonical)
-            .map_err(|s| indexed(0, s))?;
-        let set = crate::source::Set {
-            kind: canonical.kind.clone(),
-            namespace: canonical.namespace.clone(),
+        let set = Set {
+            kind: probe.kind,
+            namespace: probe.namespace,
             labels,
         };
-        let ticket = self.access.admit(caller, &[canonical], 1)?;
-        let members = self
-            .sets
-            .subscribe(self.registry.source(), &set, self.registry.linger());
+        let Admitted {
+            mut canonical,
+            mut subscriptions,
+            ticket,
+        } = admit(&self.registry, &self.access, caller, &[set]).await?;
+        let (Some(set), Some(members)) = (canonical.pop(), subscriptions.pop()) else {
+            return Err(Status::internal("admitted no set"));
+        };
         let revoked = ticket.revoked();
         let ends = async move {
             let _ticket = ticket;
@@ -371,7 +396,7 @@ impl Delivery {
         cold: bool,
     ) -> Self {
         let labels = SubscriberLabels {
-            resource: ResourceLabels::of(selector).resource,
+            resource: ResourceLabels::of(&selector.kind).resource,
             protocol,
         };
         metrics.subscriptions.open.get_or_create(&labels).inc();

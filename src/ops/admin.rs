@@ -138,12 +138,13 @@ async fn watches(State(admin): State<Arc<Admin>>) -> Response {
         .into_iter()
         .map(|w| {
             json!({
-                "selector": w.selector.to_string(),
+                "selector": w.selector,
                 "subscribers": w.subscribers,
                 "since": rfc3339(w.since),
                 "ageSeconds": now.duration_since(w.since).unwrap_or_default().as_secs(),
                 "lastEvent": w.last_event.map(rfc3339),
                 "resourceVersion": w.resource_version,
+                "members": w.members,
                 "errors": w.errors,
                 "updates": w.updates,
                 "staleSince": w.stale_since.map(rfc3339),

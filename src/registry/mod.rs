@@ -1,8 +1,11 @@
-//! The heart of the broker: one shared, reference-counted watch per custom resource.
+//! The heart of the broker: one shared, reference-counted watch per custom resource, and one per
+//! set of them.
 //!
 //! Each resource a client asks for has an entry in a [`DashMap`] keyed by its canonical
-//! [`Selector`]. The entry holds the `tokio::sync::watch` sender of the resource's latest
-//! [`State`]; each subscriber holds a receiver. The receiver count *is* the reference count:
+//! [`Selector`], each set one in a second map keyed by its [`crate::source::Set`] (see
+//! [`Watched`]); both count against one `--max-watches`. The entry holds the
+//! `tokio::sync::watch` sender of the latest [`State`] (for a set, its [`Members`]); each
+//! subscriber holds a receiver. The receiver count *is* the reference count:
 //! there is no counter to drift.
 //!
 //! The first subscriber creates the entry and spawns its watch task, which drives the source's
@@ -24,7 +27,6 @@ use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
-use dashmap::DashMap;
 use dashmap::mapref::entry::Entry as MapEntry;
 use futures::StreamExt;
 use tokio::sync::watch;
@@ -34,11 +36,14 @@ use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
 use crate::selector::Selector;
-use crate::source::{Object, Observed, Source, SourceError};
+use crate::source::{Object, Source, SourceError};
 use crate::telemetry::{ErrorLabels, Metrics, ResourceLabels, StopLabels, StopReason};
 
 #[cfg(test)]
 mod tests;
+mod watched;
+
+pub use watched::{Members, Summary, Tables, Watched};
 
 /// How long a watch outlives its last subscriber by default (ADR 0005).
 pub const DEFAULT_LINGER: Duration = Duration::from_secs(30);
@@ -132,18 +137,19 @@ impl Update {
     }
 }
 
-/// A subscriber's handle on one resource. Dropping it is unsubscribing.
+/// A subscriber's handle on one watch: a resource's [`State`], or a set's [`Members`]. Dropping
+/// it is unsubscribing.
 #[derive(Debug)]
-pub struct Subscription {
-    rx: watch::Receiver<State>,
+pub struct Subscription<T = State> {
+    rx: watch::Receiver<T>,
     stats: Arc<Stats>,
     /// Whether this subscription started the watch.
     pub cold: bool,
 }
 
-impl Subscription {
+impl<T: Clone> Subscription<T> {
     /// The current state, marking it seen.
-    pub fn current(&mut self) -> State {
+    pub fn current(&mut self) -> T {
         self.rx.borrow_and_update().clone()
     }
 
@@ -154,7 +160,7 @@ impl Subscription {
     }
 }
 
-impl Drop for Subscription {
+impl<T> Drop for Subscription<T> {
     fn drop(&mut self) {
         // The linger clock runs from the last departure, not the first.
         *self
@@ -167,7 +173,7 @@ impl Drop for Subscription {
 
 /// A new watch was refused: the registry holds the most it may.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
-#[error("the broker watches {max} resources, the most it watches at once (--max-watches)")]
+#[error("the broker watches {max} resources and sets, the most it watches at once (--max-watches)")]
 pub struct Full {
     /// The limit.
     pub max: usize,
@@ -176,8 +182,8 @@ pub struct Full {
 /// What the registry knows about one watch, for the admin endpoint and tests.
 #[derive(Debug, Clone, PartialEq)]
 pub struct WatchStatus {
-    /// The resource.
-    pub selector: Selector,
+    /// The resource or set, as a selector names it.
+    pub selector: String,
     /// Subscribers now.
     pub subscribers: usize,
     /// When the watch started.
@@ -186,6 +192,8 @@ pub struct WatchStatus {
     pub last_event: Option<SystemTime>,
     /// The object's resourceVersion, if it exists.
     pub resource_version: Option<String>,
+    /// A set's members, once listed.
+    pub members: Option<usize>,
     /// Errors the source reported since the watch started.
     pub errors: u64,
     /// New states published since the watch started.
@@ -206,11 +214,45 @@ struct Stats {
     stale_since: Mutex<Option<SystemTime>>,
 }
 
-struct Entry {
-    tx: watch::Sender<State>,
+impl Stats {
+    fn status<W: Watched>(&self, watched: &W, tx: &watch::Sender<W::State>) -> WatchStatus {
+        let summary = W::summary(&tx.borrow());
+        WatchStatus {
+            selector: watched.to_string(),
+            subscribers: tx.receiver_count(),
+            since: self.since,
+            last_event: *self
+                .last_event
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner),
+            resource_version: summary.resource_version,
+            members: summary.members,
+            errors: self.errors.load(Ordering::Relaxed),
+            updates: self.updates.load(Ordering::Relaxed),
+            stale_since: *self
+                .stale_since
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner),
+        }
+    }
+}
+
+/// One watch in the registry.
+pub struct Entry<T> {
+    tx: watch::Sender<T>,
     stats: Arc<Stats>,
     /// What the watch is charged to, held until it ends.
     _charge: Option<Charge>,
+}
+
+impl<T> Entry<T> {
+    fn subscription(&self, cold: bool) -> Subscription<T> {
+        Subscription {
+            rx: self.tx.subscribe(),
+            stats: self.stats.clone(),
+            cold,
+        }
+    }
 }
 
 /// Whatever a watch is charged to (a caller's share of the watches), held while it is open and
@@ -218,7 +260,7 @@ struct Entry {
 pub type Charge = Box<dyn std::any::Any + Send + Sync>;
 
 struct Inner<S> {
-    entries: DashMap<Selector, Entry>,
+    tables: Tables,
     source: S,
     linger: Duration,
     max_watches: usize,
@@ -228,7 +270,13 @@ struct Inner<S> {
     metrics: Arc<Metrics>,
 }
 
-/// Shares one watch per resource among its subscribers. Cheap to clone.
+impl<S> Inner<S> {
+    fn len(&self) -> usize {
+        self.tables.ones.len() + self.tables.sets.len()
+    }
+}
+
+/// Shares one watch per resource, and one per set, among their subscribers. Cheap to clone.
 pub struct Registry<S> {
     inner: Arc<Inner<S>>,
 }
@@ -248,8 +296,8 @@ impl<S: Source> Registry<S> {
         Self::with_metrics(source, linger, shutdown, Arc::default(), usize::MAX)
     }
 
-    /// As [`Registry::new`], recording into `metrics`, with at most `max_watches` resources
-    /// watched at once (see [`Registry::try_subscribe`]).
+    /// As [`Registry::new`], recording into `metrics`, with at most `max_watches` resources and
+    /// sets watched at once (see [`Registry::try_subscribe`]).
     pub fn with_metrics(
         source: S,
         linger: Duration,
@@ -259,7 +307,7 @@ impl<S: Source> Registry<S> {
     ) -> Self {
         Registry {
             inner: Arc::new(Inner {
-                entries: DashMap::new(),
+                tables: Tables::default(),
                 source,
                 linger,
                 max_watches,
@@ -291,64 +339,58 @@ impl<S: Source> Registry<S> {
         self.inner.source.resolve(selector).await
     }
 
-    /// Subscribes to a resolved selector, starting its watch if nobody watches it yet.
-    pub fn subscribe(&self, selector: &Selector) -> Subscription {
-        self.warm(selector)
-            .unwrap_or_else(|| self.start(selector, || None))
+    /// Subscribes to a resolved resource or set, starting its watch if nobody watches it yet.
+    pub fn subscribe<W: Watched>(&self, watched: &W) -> Subscription<W::State> {
+        self.warm(watched)
+            .unwrap_or_else(|| self.start(watched, || None))
     }
 
     /// As [`Registry::subscribe`], unless that would start a watch while the registry already
     /// holds its `max_watches`; a watch it starts is charged to `charge()` until it ends.
-    pub fn try_subscribe(
+    pub fn try_subscribe<W: Watched>(
         &self,
-        selector: &Selector,
+        watched: &W,
         charge: impl FnOnce() -> Option<Charge>,
-    ) -> Result<Subscription, Full> {
-        if let Some(subscription) = self.warm(selector) {
+    ) -> Result<Subscription<W::State>, Full> {
+        if let Some(subscription) = self.warm(watched) {
             return Ok(subscription);
         }
         // Counted before the entry's shard is locked (`len` locks every shard in turn), so a
         // burst of cold subscribes may pass the bound by a few.
         let max = self.inner.max_watches;
-        if self.inner.entries.len() >= max {
+        if self.inner.len() >= max {
             return Err(Full { max });
         }
-        Ok(self.start(selector, charge))
+        Ok(self.start(watched, charge))
     }
 
-    /// Whether `selector` is watched now (a subscribe would find its watch warm).
-    pub fn is_watched(&self, selector: &Selector) -> bool {
-        self.inner.entries.contains_key(selector)
+    /// Whether `watched` is watched now (a subscribe would find its watch warm).
+    pub fn is_watched<W: Watched>(&self, watched: &W) -> bool {
+        W::table(&self.inner.tables).contains_key(watched)
     }
 
-    /// The most resources watched at once.
+    /// The most resources and sets watched at once.
     pub fn max_watches(&self) -> usize {
         self.inner.max_watches
     }
 
-    /// A subscription to the watch of `selector`, if it is open.
-    fn warm(&self, selector: &Selector) -> Option<Subscription> {
-        self.inner.entries.get(selector).map(|entry| Subscription {
-            rx: entry.tx.subscribe(),
-            stats: entry.stats.clone(),
-            cold: false,
-        })
+    /// A subscription to the watch of `watched`, if it is open.
+    fn warm<W: Watched>(&self, watched: &W) -> Option<Subscription<W::State>> {
+        W::table(&self.inner.tables)
+            .get(watched)
+            .map(|entry| entry.subscription(false))
     }
 
-    /// A subscription to the watch of `selector`, starting it (charged to `charge()`) unless a
+    /// A subscription to the watch of `watched`, starting it (charged to `charge()`) unless a
     /// racing subscribe just did.
-    fn start(&self, selector: &Selector, charge: impl FnOnce() -> Option<Charge>) -> Subscription {
-        let (subscription, start) = match self.inner.entries.entry(selector.clone()) {
-            MapEntry::Occupied(e) => (
-                Subscription {
-                    rx: e.get().tx.subscribe(),
-                    stats: e.get().stats.clone(),
-                    cold: false,
-                },
-                None,
-            ),
+    fn start<W: Watched>(
+        &self,
+        watched: &W,
+        charge: impl FnOnce() -> Option<Charge>,
+    ) -> Subscription<W::State> {
+        let (tx, stats) = match W::table(&self.inner.tables).entry(watched.clone()) {
+            MapEntry::Occupied(e) => return e.get().subscription(false),
             MapEntry::Vacant(v) => {
-                let (tx, rx) = watch::channel(State::Pending);
                 let stats = Arc::new(Stats {
                     id: self.inner.next_id.fetch_add(1, Ordering::Relaxed),
                     since: SystemTime::now(),
@@ -358,37 +400,35 @@ impl<S: Source> Registry<S> {
                     updates: AtomicU64::new(0),
                     stale_since: Mutex::new(None),
                 });
+                let (tx, _) = watch::channel(W::State::default());
                 v.insert(Entry {
                     tx: tx.clone(),
                     stats: stats.clone(),
                     _charge: charge(),
                 });
-                (
-                    Subscription {
-                        rx,
-                        stats: stats.clone(),
-                        cold: true,
-                    },
-                    Some((tx, stats)),
-                )
+                (tx, stats)
             }
         };
-        if let Some((tx, stats)) = start {
-            let span = tracing::info_span!("watch", selector = %selector);
-            let task = run_watch(self.inner.clone(), selector.clone(), tx, stats);
-            self.inner.tasks.spawn(task.instrument(span));
-        }
+        // Subscribed before the task starts, so it never finds the watch unwanted.
+        let subscription = Subscription {
+            rx: tx.subscribe(),
+            stats: stats.clone(),
+            cold: true,
+        };
+        let span = tracing::info_span!("watch", selector = %watched);
+        let task = run_watch(self.inner.clone(), watched.clone(), tx, stats);
+        self.inner.tasks.spawn(task.instrument(span));
         subscription
     }
 
-    /// Watches now open.
+    /// Watches now open, of resources and sets.
     pub fn len(&self) -> usize {
-        self.inner.entries.len()
+        self.inner.len()
     }
 
     /// Whether no watch is open.
     pub fn is_empty(&self) -> bool {
-        self.inner.entries.is_empty()
+        self.len() == 0
     }
 
     /// Watch tasks still running (a task may outlive its entry by a moment while it stops).
@@ -402,53 +442,30 @@ impl<S: Source> Registry<S> {
         self.inner.tasks.wait().await;
     }
 
-    /// Every open watch, sorted by selector.
+    /// Every open watch, of resources and sets, sorted by selector.
     pub fn watches(&self) -> Vec<WatchStatus> {
-        let mut out: Vec<WatchStatus> = self
-            .inner
-            .entries
-            .iter()
-            .map(|e| {
-                let stats = &e.value().stats;
-                let resource_version = match &*e.value().tx.borrow() {
-                    State::Present(u) => Some(u.object.resource_version.clone()),
-                    _ => None,
-                };
-                WatchStatus {
-                    selector: e.key().clone(),
-                    subscribers: e.value().tx.receiver_count(),
-                    since: stats.since,
-                    last_event: *stats
-                        .last_event
-                        .lock()
-                        .unwrap_or_else(PoisonError::into_inner),
-                    resource_version,
-                    errors: stats.errors.load(Ordering::Relaxed),
-                    updates: stats.updates.load(Ordering::Relaxed),
-                    stale_since: *stats
-                        .stale_since
-                        .lock()
-                        .unwrap_or_else(PoisonError::into_inner),
-                }
-            })
-            .collect();
+        let tables = &self.inner.tables;
+        let ones = tables.ones.iter().map(|e| e.stats.status(e.key(), &e.tx));
+        let sets = tables.sets.iter().map(|e| e.stats.status(e.key(), &e.tx));
+        let mut out: Vec<WatchStatus> = ones.chain(sets).collect();
         out.sort_by(|a, b| a.selector.cmp(&b.selector));
         out
     }
 }
 
-/// Drives one resource's watch until it is no longer wanted or the broker shuts down.
-async fn run_watch<S: Source>(
+/// Drives one watch until it is no longer wanted or the broker shuts down.
+async fn run_watch<S: Source, W: Watched>(
     inner: Arc<Inner<S>>,
-    selector: Selector,
-    tx: watch::Sender<State>,
+    watched: W,
+    tx: watch::Sender<W::State>,
     stats: Arc<Stats>,
 ) {
     tracing::debug!("watch started");
-    let labels = ResourceLabels::of(&selector);
+    let table = W::table(&inner.tables);
+    let labels = ResourceLabels::of(watched.kind());
     inner.metrics.watch.starts.get_or_create(&labels).inc();
     inner.metrics.watch.open.get_or_create(&labels).inc();
-    let mut updates = inner.source.watch(&selector);
+    let mut reports = watched.open(&inner.source);
     let mut reason = StopReason::Shutdown;
     // Set while nobody is subscribed: when the linger ends.
     let mut idle_until: Option<Instant> = None;
@@ -463,7 +480,7 @@ async fn run_watch<S: Source>(
             biased;
             _ = inner.shutdown.cancelled() => {
                 // Dropping the entry's sender too ends every subscription.
-                inner.entries.remove_if(&selector, |_, e| e.stats.id == stats.id);
+                table.remove_if(&watched, |_, e| e.stats.id == stats.id);
                 break;
             }
             _ = tx.closed(), if idle_until.is_none() => {
@@ -476,7 +493,7 @@ async fn run_watch<S: Source>(
                     idle_until = Some(left + inner.linger);
                     continue;
                 }
-                let removed = inner.entries.remove_if(&selector, |_, e| {
+                let removed = table.remove_if(&watched, |_, e| {
                     e.stats.id == stats.id && e.tx.receiver_count() == 0
                 });
                 if removed.is_some() {
@@ -485,26 +502,24 @@ async fn run_watch<S: Source>(
                 }
                 idle_until = None;
             }
-            item = updates.next() => match item {
-                Some(item) => {
-                    if let Err(error) = &item
-                        && error.is_gone()
-                    {
-                        inner.source.forget(&selector.kind);
+            report = reports.next() => match report {
+                Some(report) => {
+                    if W::error(&report).is_some_and(SourceError::is_gone) {
+                        inner.source.forget(watched.kind());
                     }
-                    publish(&tx, &stats, &inner.metrics, &labels, item)
+                    publish::<W>(&tx, &stats, &inner.metrics, &labels, report);
                 }
                 None => {
                     // Sources retry by themselves and do not end; if one does, start it again.
                     tracing::warn!("the source's watch ended; restarting it");
                     tokio::time::sleep(Duration::from_secs(1)).await;
-                    updates = inner.source.watch(&selector);
+                    reports = watched.open(&inner.source);
                 }
             },
         }
     }
     // Dropping the stream stops the watch at the source (for Kubernetes, closes the request).
-    drop(updates);
+    drop(reports);
     inner.metrics.watch.open.get_or_create(&labels).dec();
     let stop = StopLabels {
         resource: labels.resource.clone(),
@@ -514,70 +529,21 @@ async fn run_watch<S: Source>(
     tracing::debug!(?reason, "watch stopped");
 }
 
-fn publish(
-    tx: &watch::Sender<State>,
+/// Records a source's report in the watch's stats and metrics, and publishes what it changes.
+fn publish<W: Watched>(
+    tx: &watch::Sender<W::State>,
     stats: &Stats,
     metrics: &Metrics,
     labels: &ResourceLabels,
-    item: Result<Observed, SourceError>,
+    report: W::Report,
 ) {
     let now = SystemTime::now();
     *stats
         .last_event
         .lock()
         .unwrap_or_else(PoisonError::into_inner) = Some(now);
-    {
-        let mut stale = stats
-            .stale_since
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        match &item {
-            Ok(_) => *stale = None,
-            Err(_) => {
-                stale.get_or_insert(now);
-            }
-        }
-    }
-    let subscribers = tx.receiver_count();
-    // Subscribers present when `old` was published that have not written it now skip it.
-    let skipped = |old: &Update| {
-        let missed = old.pending.load(Ordering::Acquire) as u64;
-        if missed > 0 {
-            metrics
-                .watch
-                .skipped_states
-                .get_or_create(labels)
-                .inc_by(missed);
-        }
-    };
-    let modified = match item {
-        Ok(Observed::Present(object)) => tx.send_if_modified(|state| match state {
-            State::Present(u) if u.same_version(&object) => false,
-            _ => {
-                if let State::Present(old) = state {
-                    skipped(old);
-                }
-                let update = Update::new(object);
-                update.pending.store(subscribers, Ordering::Release);
-                *state = State::Present(Arc::new(update));
-                true
-            }
-        }),
-        Ok(Observed::Absent) => tx.send_if_modified(|state| match state {
-            State::Absent { .. } => false,
-            State::Present(u) => {
-                skipped(u);
-                *state = State::Absent {
-                    last: Some(u.clone()),
-                };
-                true
-            }
-            State::Pending | State::Failed(_) => {
-                *state = State::Absent { last: None };
-                true
-            }
-        }),
-        Err(error) => {
+    let failed = match W::error(&report) {
+        Some(error) => {
             stats.errors.fetch_add(1, Ordering::Relaxed);
             let error_labels = ErrorLabels {
                 resource: labels.resource.clone(),
@@ -585,29 +551,29 @@ fn publish(
             };
             metrics.watch.errors.get_or_create(&error_labels).inc();
             tracing::warn!(%error, "source error; the source retries");
-            // Only a resource nobody has seen yet is reported as failed, or one whose kind is
-            // no longer served (its state will not change again); otherwise subscribers keep
-            // the last known state while the source recovers.
-            tx.send_if_modified(|state| match state {
-                State::Pending => {
-                    *state = State::Failed(error);
-                    true
-                }
-                State::Failed(old) if *old != error => {
-                    *state = State::Failed(error);
-                    true
-                }
-                State::Failed(_) => false,
-                State::Present(_) | State::Absent { .. } if error.is_gone() => {
-                    *state = State::Failed(error);
-                    true
-                }
-                State::Present(_) | State::Absent { .. } => false,
-            });
-            false
+            true
         }
+        None => false,
     };
-    if modified {
+    {
+        let mut stale = stats
+            .stale_since
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if failed {
+            stale.get_or_insert(now);
+        } else {
+            *stale = None;
+        }
+    }
+    let skipped = |missed| {
+        metrics
+            .watch
+            .skipped_states
+            .get_or_create(labels)
+            .inc_by(missed);
+    };
+    if W::apply(tx, report, &skipped) && !failed {
         stats.updates.fetch_add(1, Ordering::Relaxed);
         metrics.watch.updates.get_or_create(labels).inc();
     }

@@ -123,7 +123,7 @@ pub use crate::selector::ALL_NAMESPACES;
 
 /// A set of objects: those of a kind in a namespace (or in every namespace, or, for a
 /// cluster-scoped kind, all of them) that a label selector selects.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Set {
     /// The kind, resolved (plural and version filled in).
     pub kind: KindRef,

@@ -9,7 +9,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
-use crate::selector::Selector;
+use crate::selector::KindRef;
 
 /// Labels naming a kind: `featureflags.core.openfeature.dev`.
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -19,10 +19,10 @@ pub struct ResourceLabels {
 }
 
 impl ResourceLabels {
-    /// The labels for a canonical selector.
-    pub fn of(selector: &Selector) -> Self {
+    /// The labels for a resolved kind.
+    pub fn of(kind: &KindRef) -> Self {
         ResourceLabels {
-            resource: format!("{}.{}", selector.kind.resource, selector.kind.group),
+            resource: format!("{}.{}", kind.resource, kind.group),
         }
     }
 }

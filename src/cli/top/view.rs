@@ -344,7 +344,7 @@ mod tests {
                 2,
             ),
             row(
-                "featureflags.v1beta1.core.openfeature.dev/default?labelSelector=app%3Dcheckout",
+                "featureflags.v1beta1.core.openfeature.dev/default?labelSelector=app=checkout",
                 1,
             ),
             row("widgets.v1.example.com/w1", 0),
