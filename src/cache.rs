@@ -79,6 +79,15 @@ where
         shared.await.value
     }
 
+    /// Whether `key` has a value that has not expired, or a fetch in flight.
+    pub fn holds(&self, key: &K) -> bool {
+        let slots = self.slots.lock().unwrap_or_else(PoisonError::into_inner);
+        let now = Instant::now();
+        slots
+            .get(key)
+            .is_some_and(|s| s.peek().is_none_or(|done| done.until > now))
+    }
+
     /// Keys held now (expired ones included until they are evicted).
     pub fn len(&self) -> usize {
         self.slots

@@ -336,6 +336,98 @@ async fn tokens_identify_service_accounts_once_per_token() {
 }
 
 #[tokio::test]
+async fn a_flood_of_made_up_tokens_is_bounded_per_source_and_never_costs_a_verified_caller() {
+    use crd_broker::access::token::{REVIEW_BURST, REVIEW_RATE};
+    let fake = tenants().await;
+    fake.register_token(
+        TokenUser::service_account("good", "team-a", "web").with_audiences(&["crd-broker"]),
+    );
+    let broker = broker_with_access(&fake, settings("token")).await;
+    let reviews = || fake.request_count("create", "/apis/authentication.k8s.io/v1/tokenreviews");
+    let with_token =
+        |token: &str, selector: &str| with("authorization", &format!("Bearer {token}"), selector);
+    let mut good = connect_from(broker.addr, "127.0.0.9").await;
+    let mut s = good
+        .subscribe(with_token("good", &ff("team-a", "f")))
+        .await
+        .unwrap()
+        .into_inner();
+    next(&mut s).await;
+    fake.clear_requests();
+    // One source: its new tokens are reviewed at its rate, the rest refused before any review.
+    let started = std::time::Instant::now();
+    let mut flood = connect_from(broker.addr, "127.0.0.2").await;
+    let mut limited = None;
+    for i in 0..400 {
+        let status = flood
+            .subscribe(with_token(&format!("made-up-{i}"), &ff("team-a", "f")))
+            .await
+            .unwrap_err();
+        if status.code() == Code::ResourceExhausted {
+            limited.get_or_insert(status);
+        }
+    }
+    let allowed = REVIEW_BURST + REVIEW_RATE * started.elapsed().as_secs_f64();
+    assert!(
+        (reviews() as f64) <= allowed + 1.0,
+        "{} reviews for 400 made-up tokens from one source, at most {allowed} allowed",
+        reviews()
+    );
+    assert!(reviews() >= REVIEW_BURST as u64, "{}", reviews());
+    assert_status(
+        &limited.expect("some were limited"),
+        Code::ResourceExhausted,
+        "ip:127.0.0.2 has shown more new bearer tokens than the broker reviews",
+    );
+    // A refused token shown again is remembered: no second review.
+    let before = reviews();
+    let status = flood
+        .subscribe(with_token("made-up-0", &ff("team-a", "f")))
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::Unauthenticated);
+    assert_eq!(reviews(), before, "a refusal is remembered");
+    // Many sources, more made-up tokens than the broker remembers: the verified token stays
+    // verified, and its caller is served without a review.
+    let sources = 120;
+    let mut tasks = Vec::new();
+    for a in 0..sources {
+        let addr = broker.addr;
+        tasks.push(tokio::spawn(async move {
+            let mut c = connect_from(addr, &format!("127.0.1.{}", a + 1)).await;
+            for i in 0..REVIEW_BURST as usize {
+                let token = format!("flood-{a}-{i}");
+                let _ = c
+                    .subscribe(with(
+                        "authorization",
+                        &format!("Bearer {token}"),
+                        &ff("team-a", "f"),
+                    ))
+                    .await;
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    assert!(
+        reviews() > 10_000,
+        "the refusals overflowed what is remembered: {}",
+        reviews()
+    );
+    let before = reviews();
+    let mut s = good
+        .subscribe(with_token("good", &ff("team-a", "f")))
+        .await
+        .unwrap()
+        .into_inner();
+    next(&mut s).await;
+    assert_eq!(reviews(), before, "the verified token was not pushed out");
+    let m = metrics(broker.admin_addr.unwrap()).await;
+    assert!(get(&m, r#"crd_broker_limit_hits_total{limit="token_reviews"}"#) >= 1.0);
+}
+
+#[tokio::test]
 async fn sources_are_tried_in_order_and_the_first_that_identifies_wins() {
     let fake = tenants().await;
     fake.register_token(

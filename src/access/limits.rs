@@ -55,10 +55,91 @@ const TRACKED: usize = 10_000;
 #[derive(Debug)]
 struct Account {
     streams: usize,
-    tokens: f64,
-    at: Instant,
+    new_watches: Bucket,
     /// Watches its requests started, open now.
     watches: usize,
+}
+
+/// A token bucket: `burst` tokens at most, refilled at `rate` a second.
+#[derive(Debug, Clone, Copy)]
+struct Bucket {
+    tokens: f64,
+    at: Instant,
+}
+
+impl Bucket {
+    fn full(burst: f64, now: Instant) -> Bucket {
+        Bucket {
+            tokens: burst,
+            at: now,
+        }
+    }
+
+    /// The tokens it holds at `now`.
+    fn level(&self, rate: f64, burst: f64, now: Instant) -> f64 {
+        let elapsed = now.saturating_duration_since(self.at).as_secs_f64();
+        (self.tokens + elapsed * rate).min(burst)
+    }
+
+    /// Takes `wanted` tokens if it holds them; else the whole tokens it holds.
+    fn take(&mut self, wanted: f64, rate: f64, burst: f64, now: Instant) -> Result<(), f64> {
+        self.tokens = self.level(rate, burst, now);
+        self.at = now;
+        if wanted > self.tokens {
+            return Err(self.tokens.floor());
+        }
+        self.tokens -= wanted;
+        Ok(())
+    }
+}
+
+/// How often each key (a source address) may do one costly thing, such as have a bearer token
+/// nobody has shown yet reviewed: a token bucket per key. Buckets that have refilled are
+/// forgotten above [`TRACKED`] keys, so made-up keys cannot grow it without bound.
+#[derive(Debug)]
+pub struct Rates {
+    rate: f64,
+    burst: f64,
+    buckets: Mutex<HashMap<String, Bucket>>,
+}
+
+impl Rates {
+    /// `rate` a second for each key, `burst` at once.
+    pub fn new(rate: f64, burst: f64) -> Self {
+        Rates {
+            rate,
+            burst,
+            buckets: Mutex::default(),
+        }
+    }
+
+    /// Whether `key` may do it once more now (and counts it if so).
+    pub fn take(&self, key: &str) -> bool {
+        let (rate, burst) = (self.rate, self.burst);
+        let now = Instant::now();
+        let mut buckets = self.buckets.lock().unwrap_or_else(PoisonError::into_inner);
+        if buckets.len() > TRACKED {
+            buckets.retain(|_, b| b.level(rate, burst, now) < burst);
+        }
+        buckets
+            .entry(key.to_string())
+            .or_insert_with(|| Bucket::full(burst, now))
+            .take(1.0, rate, burst, now)
+            .is_ok()
+    }
+
+    /// Keys tracked now.
+    pub fn len(&self) -> usize {
+        self.buckets
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .len()
+    }
+
+    /// Whether no key is tracked.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
 }
 
 /// What every caller has used.
@@ -110,13 +191,16 @@ impl Limits {
         let now = Instant::now();
         if accounts.len() > TRACKED {
             accounts.retain(|_, a| {
-                a.streams > 0 || a.watches > 0 || refilled(a, &c, now) < c.new_watch_burst
+                a.streams > 0
+                    || a.watches > 0
+                    || a.new_watches
+                        .level(c.new_watch_rate, c.new_watch_burst, now)
+                        < c.new_watch_burst
             });
         }
         let account = accounts.entry(key.clone()).or_insert(Account {
             streams: 0,
-            tokens: c.new_watch_burst,
-            at: now,
+            new_watches: Bucket::full(c.new_watch_burst, now),
             watches: 0,
         });
         if account.streams >= c.max_streams_per_caller {
@@ -138,31 +222,24 @@ impl Limits {
                 ),
             ));
         }
-        account.tokens = refilled(account, &c, now);
-        account.at = now;
-        let wanted = new_watches as f64;
-        if wanted > account.tokens {
+        let (rate, burst) = (c.new_watch_rate, c.new_watch_burst);
+        if let Err(available) = account
+            .new_watches
+            .take(new_watches as f64, rate, burst, now)
+        {
             return Err((
                 Limit::NewWatchRate,
                 format!(
-                    "this request starts {new_watches} new watches; this caller may start {} now and {} per second (--new-watch-rate, --new-watch-burst)",
-                    account.tokens.floor(),
-                    c.new_watch_rate
+                    "this request starts {new_watches} new watches; this caller may start {available} now and {rate} per second (--new-watch-rate, --new-watch-burst)"
                 ),
             ));
         }
-        account.tokens -= wanted;
         account.streams += 1;
         Ok(Slot {
             key: Some(key),
             accounts: self.accounts.clone(),
         })
     }
-}
-
-fn refilled(account: &Account, c: &Config, now: Instant) -> f64 {
-    let elapsed = now.saturating_duration_since(account.at).as_secs_f64();
-    (account.tokens + elapsed * c.new_watch_rate).min(c.new_watch_burst)
 }
 
 impl Slot {
@@ -281,5 +358,22 @@ mod tests {
         assert!(l.admit(key(), 21).is_err(), "never more than the burst");
         let _s = l.admit(key(), 20).unwrap();
         let _w = l.admit(key(), 0).expect("warm subscriptions cost nothing");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn rates_are_kept_per_key_and_made_up_keys_are_forgotten_once_refilled() {
+        let rates = Rates::new(2.0, 3.0);
+        assert_eq!((0..5).filter(|_| rates.take("a")).count(), 3);
+        assert!(rates.take("b"), "another key has its own bucket");
+        tokio::time::advance(Duration::from_millis(500)).await;
+        assert!(rates.take("a"));
+        assert!(!rates.take("a"));
+        for i in 0..3 * TRACKED {
+            rates.take(&format!("made-up-{i}"));
+            if i % TRACKED == 0 {
+                tokio::time::advance(Duration::from_secs(2)).await;
+            }
+        }
+        assert!(rates.len() <= 2 * TRACKED + 2, "{} keys", rates.len());
     }
 }

@@ -28,8 +28,8 @@ use tonic::Status;
 use crate::conn::{Peer, PeerAddr};
 use crate::selector::Selector;
 use crate::telemetry::{
-    Denial, DenialLabels, IdentifiedBy, IdentifyLabels, IdentifyResult, LimitLabels, Metrics,
-    ReloadLabels, ReloadResult,
+    Denial, DenialLabels, IdentifiedBy, IdentifyLabels, IdentifyResult, Limit, LimitLabels,
+    Metrics, ReloadLabels, ReloadResult,
 };
 
 pub mod identity;
@@ -229,6 +229,8 @@ enum Outcome {
     Failed(String),
     /// A claim of identity the broker knows to be false: refused, whatever else might identify.
     Forged(String),
+    /// Not looked into: the caller's source asked too often (RESOURCE_EXHAUSTED).
+    Limited(String),
 }
 
 /// Open streams, for revocation when the policy changes.
@@ -399,7 +401,7 @@ impl Access {
         for &source in &self.settings.identity.0 {
             let outcome = match source {
                 IdentitySource::PeerPod => self.by_peer_pod(conn).await,
-                IdentitySource::Token => self.by_token(headers).await,
+                IdentitySource::Token => self.by_token(conn, headers).await,
                 IdentitySource::Mtls => self.by_certificate(conn),
                 IdentitySource::Mesh => self.by_mesh(conn, headers),
             };
@@ -415,6 +417,11 @@ impl Access {
                 Outcome::Failed(why) => {
                     failed = true;
                     tried.push(format!("{source}: {why}"));
+                }
+                Outcome::Limited(why) => {
+                    self.count_identification(IdentifiedBy::from(source), IdentifyResult::Limited);
+                    self.count_limit(Limit::TokenReviews);
+                    return Err(Status::resource_exhausted(why));
                 }
                 Outcome::Forged(why) => {
                     self.count_identification(IdentifiedBy::from(source), IdentifyResult::Forged);
@@ -474,7 +481,7 @@ impl Access {
         }
     }
 
-    async fn by_token(&self, headers: &HeaderMap) -> Outcome {
+    async fn by_token(&self, conn: &ConnIdentity, headers: &HeaderMap) -> Outcome {
         let Some(value) = headers.get(http::header::AUTHORIZATION) else {
             return Outcome::Unidentified("no authorization header".into());
         };
@@ -495,10 +502,19 @@ impl Access {
         let Some(tokens) = &self.tokens else {
             return Outcome::Failed("no Kubernetes API".into());
         };
-        match tokens.review(token).await {
+        // Where the token comes from, as the limits would key the caller without one.
+        let anonymous = Caller::Anonymous {
+            ip: conn.peer.ip(),
+            connection: Some(conn.peer.id),
+        };
+        let source = anonymous
+            .limit_key(&self.settings.mesh_proxies)
+            .unwrap_or_else(|| format!("connection:{}", conn.peer.id));
+        match tokens.review(token, &source).await {
             Reviewed::ServiceAccount(w) => Outcome::Identified(Caller::Workload(w)),
             Reviewed::Refused(why) => Outcome::Unidentified(why),
             Reviewed::Failed(why) => Outcome::Failed(why),
+            Reviewed::Limited(why) => Outcome::Limited(why),
         }
     }
 

@@ -1,10 +1,16 @@
 //! `token`: `authorization: Bearer <token>` verified by a TokenReview for the broker's audiences.
-//! Answers are cached by the token's SHA-256 (never the token itself) until the token expires,
-//! at most [`MAX_TTL`]; refusals for [`REFUSED_TTL`], so a client repeating a bad token costs one
-//! review per that long; the cache is bounded.
+//!
+//! Tokens are remembered by their SHA-256, never the token itself. Verified ones are kept apart
+//! until the token expires, at most [`MAX_TTL`]: only a review that verified a token adds to
+//! them, so a flood of made-up tokens cannot evict them. Refusals are remembered for
+//! [`REFUSED_TTL`] (a client repeating a bad token costs one review per that long), in a bounded
+//! cache of their own. And a token nobody has shown yet costs a review only within its source's
+//! rate ([`REVIEW_RATE`] a second, [`REVIEW_BURST`] at once, per source address); past it the
+//! caller is refused with RESOURCE_EXHAUSTED before the API server is asked.
 
-use std::sync::Arc;
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use futures::FutureExt;
@@ -20,8 +26,14 @@ pub const MAX_TTL: Duration = Duration::from_secs(300);
 /// How long a refused token stays refused without asking again.
 pub const REFUSED_TTL: Duration = Duration::from_secs(10);
 
-/// How many tokens the cache holds.
+/// How many refused tokens are remembered, and how many verified ones.
 const CAPACITY: usize = 10_000;
+
+/// New tokens (neither verified nor refused lately) one source address may have reviewed per
+/// second, and at once: a pod's sidecars reconnecting together fit the burst many times over.
+pub const REVIEW_RATE: f64 = 10.0;
+/// See [`REVIEW_RATE`].
+pub const REVIEW_BURST: f64 = 100.0;
 
 /// The longest a review may take.
 const REVIEW_TIMEOUT: Duration = Duration::from_secs(10);
@@ -38,13 +50,51 @@ pub enum Reviewed {
     Refused(String),
     /// The review failed: why.
     Failed(String),
+    /// Not reviewed: its source has had too many new tokens reviewed lately.
+    Limited(String),
 }
 
-/// Token reviews, cached.
+type Digest = [u8; 32];
+
+/// Verified tokens, until each expires.
+#[derive(Default)]
+struct Verified(Mutex<HashMap<Digest, (Workload, tokio::time::Instant)>>);
+
+impl Verified {
+    fn get(&self, key: &Digest) -> Option<Workload> {
+        let map = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        let (workload, until) = map.get(key)?;
+        (*until > tokio::time::Instant::now()).then(|| workload.clone())
+    }
+
+    /// Remembers a verified token; when full, the expired ones go first, then those expiring
+    /// soonest (all verified: a real token is never pushed out by a made-up one).
+    fn insert(&self, key: Digest, workload: Workload, ttl: Duration) {
+        let now = tokio::time::Instant::now();
+        let mut map = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        if map.len() >= CAPACITY && !map.contains_key(&key) {
+            map.retain(|_, (_, until)| *until > now);
+            while map.len() >= CAPACITY {
+                let soonest = map
+                    .iter()
+                    .min_by_key(|(_, (_, until))| *until)
+                    .map(|(k, _)| *k);
+                let Some(soonest) = soonest else { break };
+                map.remove(&soonest);
+            }
+        }
+        map.insert(key, (workload, now + ttl));
+    }
+}
+
+/// Token reviews, remembered and rate-limited.
 pub struct Tokens {
     client: kube::Client,
     audiences: Vec<String>,
-    cache: FlightCache<[u8; 32], Reviewed>,
+    verified: Arc<Verified>,
+    /// Refusals, and the reviews in flight.
+    others: FlightCache<Digest, Reviewed>,
+    rates: crate::access::limits::Rates,
     reviews: Arc<AtomicU64>,
 }
 
@@ -54,7 +104,9 @@ impl Tokens {
         Tokens {
             client,
             audiences,
-            cache: FlightCache::new(CAPACITY),
+            verified: Arc::default(),
+            others: FlightCache::new(CAPACITY),
+            rates: crate::access::limits::Rates::new(REVIEW_RATE, REVIEW_BURST),
             reviews: Arc::default(),
         }
     }
@@ -64,8 +116,9 @@ impl Tokens {
         self.reviews.load(Ordering::Relaxed)
     }
 
-    /// Who `token` belongs to.
-    pub async fn review(&self, token: &str) -> Reviewed {
+    /// Who `token` belongs to, `source` (the caller's address, or its connection where the
+    /// address stands for many) sending it.
+    pub async fn review(&self, token: &str, source: &str) -> Reviewed {
         if token.len() > MAX_TOKEN {
             return Reviewed::Refused(format!(
                 "the bearer token is {} bytes, longer than any Kubernetes token",
@@ -75,22 +128,38 @@ impl Tokens {
         let digest = ring::digest::digest(&ring::digest::SHA256, token.as_bytes());
         let mut key = [0u8; 32];
         key.copy_from_slice(digest.as_ref());
+        if let Some(workload) = self.verified.get(&key) {
+            return Reviewed::ServiceAccount(workload);
+        }
+        // A refusal remembered, or a review in flight, costs no new review.
+        if !self.others.holds(&key) && !self.rates.take(source) {
+            return Reviewed::Limited(format!(
+                "{source} has shown more new bearer tokens than the broker reviews for one \
+                 source ({REVIEW_RATE} a second, {REVIEW_BURST} at once); retry later"
+            ));
+        }
         let client = self.client.clone();
         let audiences = self.audiences.clone();
         let reviews = self.reviews.clone();
+        let verified = self.verified.clone();
         let token = token.to_string();
-        self.cache
+        self.others
             .get(&key, move || {
                 async move {
                     reviews.fetch_add(1, Ordering::Relaxed);
                     let reviewed = review(client, &token, audiences).await;
                     let ttl = match &reviewed {
-                        Reviewed::ServiceAccount(_) => expiry(&token)
-                            .and_then(|exp| exp.duration_since(SystemTime::now()).ok())
-                            .unwrap_or(MAX_TTL)
-                            .min(MAX_TTL),
+                        Reviewed::ServiceAccount(workload) => {
+                            let ttl = expiry(&token)
+                                .and_then(|exp| exp.duration_since(SystemTime::now()).ok())
+                                .unwrap_or(MAX_TTL)
+                                .min(MAX_TTL);
+                            // Kept apart from refusals, before the askers have the answer.
+                            verified.insert(key, workload.clone(), ttl);
+                            Duration::ZERO
+                        }
                         Reviewed::Refused(_) => REFUSED_TTL,
-                        Reviewed::Failed(_) => Duration::ZERO,
+                        Reviewed::Failed(_) | Reviewed::Limited(_) => Duration::ZERO,
                     };
                     (reviewed, ttl)
                 }

@@ -19,6 +19,8 @@ pub enum Limit {
     RequestSize,
     /// `--max-watches-per-caller`: watches a caller started, open now.
     WatchesPerCaller,
+    /// New bearer tokens reviewed per source address.
+    TokenReviews,
 }
 
 label_values!(Limit {
@@ -27,6 +29,7 @@ label_values!(Limit {
     NewWatchRate => "new_watch_rate",
     RequestSize => "request_size",
     WatchesPerCaller => "watches_per_caller",
+    TokenReviews => "token_reviews",
 });
 
 /// Labels of the limit counter.
@@ -73,6 +76,8 @@ pub enum IdentifyResult {
     Failed,
     /// A claim the broker knows to be false (UNAUTHENTICATED): the other mesh's header.
     Forged,
+    /// Not looked into: its source showed too many new tokens lately (RESOURCE_EXHAUSTED).
+    Limited,
 }
 
 label_values!(IdentifyResult {
@@ -80,6 +85,7 @@ label_values!(IdentifyResult {
     Unidentified => "unidentified",
     Failed => "failed",
     Forged => "forged",
+    Limited => "limited",
 });
 
 /// Labels of the identification counter.
@@ -182,6 +188,7 @@ impl AccessMetrics {
             Limit::NewWatchRate,
             Limit::RequestSize,
             Limit::WatchesPerCaller,
+            Limit::TokenReviews,
         ] {
             let _ = self.limit_hits.get_or_create(&LimitLabels { limit });
         }
