@@ -256,3 +256,42 @@ async fn a_namespace_where_few_objects_are_watched_keeps_a_watch_per_name() {
     streams.push(s);
     settle(&fake, (1, 0)).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn names_nobody_follows_leave_the_namespace_watch_while_it_runs_on() {
+    let fake = fake().await;
+    fake.apply(flag(&name(0), "on")).unwrap();
+    let broker = broker(&fake).await;
+    let mut client = connect(broker.addr).await;
+    // Enough names to keep the namespace watch, held throughout.
+    let held: Vec<String> = (0..=THRESHOLD)
+        .map(|k| demo(&format!("held-{k}")))
+        .collect();
+    let held: Vec<&str> = held.iter().map(String::as_str).collect();
+    let mut holder = subscribe(&mut client, &held).await;
+    for _ in 0..held.len() {
+        next(&mut holder).await;
+    }
+    settle(&fake, (1, 0)).await;
+    // Rounds of made-up names, each subscribed and left.
+    for round in 0..5 {
+        let made_up: Vec<String> = (0..20)
+            .map(|k| demo(&format!("made-up-{round}-{k}")))
+            .collect();
+        let made_up: Vec<&str> = made_up.iter().map(String::as_str).collect();
+        let mut s = subscribe(&mut client, &made_up).await;
+        for _ in 0..made_up.len() {
+            assert_eq!(next(&mut s).await.event(), Event::Absent);
+        }
+        drop(s);
+    }
+    let source = broker.registry.source();
+    eventually("only the held names are followed", WAIT, async || {
+        source.namespace_watch_names() == held.len()
+    })
+    .await;
+    settle(&fake, (1, 0)).await;
+    // A held name still hears about its object.
+    fake.apply(flag("held-0", "on")).unwrap();
+    until(&mut holder, |r| r.event() == Event::Snapshot).await;
+}

@@ -83,14 +83,42 @@ struct Feed {
 
 impl Feed {
     /// `name`'s channel, with what is known of it now.
-    fn follow(&self, name: &str) -> watch::Receiver<Slot> {
+    fn follow(&self, name: &str) -> Followed {
         let mut known = lock(&self.shared.known);
         let slot = known.slot(name);
-        known
+        let rx = known
             .names
             .entry(name.to_string())
             .or_insert_with(|| watch::channel(slot).0)
-            .subscribe()
+            .subscribe();
+        Followed {
+            rx,
+            shared: self.shared.clone(),
+            name: name.to_string(),
+        }
+    }
+}
+
+/// One name's channel from the namespace watch. The last one dropped takes the name's entry
+/// out of the namespace watch's map, so names nobody follows any more (made-up ones included)
+/// do not pile up there while the namespace watch runs on.
+struct Followed {
+    rx: watch::Receiver<Slot>,
+    shared: Arc<Shared>,
+    name: String,
+}
+
+impl Drop for Followed {
+    fn drop(&mut self) {
+        let mut known = lock(&self.shared.known);
+        // Under the lock every follower subscribes under: its own receiver is the last one.
+        if known
+            .names
+            .get(&self.name)
+            .is_some_and(|tx| tx.receiver_count() <= 1)
+        {
+            known.names.remove(&self.name);
+        }
     }
 }
 
@@ -160,6 +188,19 @@ impl Granularity {
             w,
         };
         stream::unfold(state, Name::next).boxed()
+    }
+
+    /// Names the namespace watches running now keep a channel for.
+    pub(super) fn followed(&self) -> usize {
+        lock(&self.groups)
+            .values()
+            .filter_map(|g| {
+                g.mode
+                    .borrow()
+                    .as_ref()
+                    .map(|f| lock(&f.shared.known).names.len())
+            })
+            .sum()
     }
 
     /// Counts a name in; past the threshold, starts the namespace watch.
@@ -328,7 +369,7 @@ struct Name {
     own_listed: bool,
     /// The namespace watch, while it is followed or being caught up with: its health, and
     /// this name's channel.
-    feed: Option<(Feed, watch::Receiver<Status>, watch::Receiver<Slot>)>,
+    feed: Option<(Feed, watch::Receiver<Status>, Followed)>,
     mode: watch::Receiver<Option<Feed>>,
     /// The state last reported, and the resourceVersion it held as of.
     last: Option<Observed>,
@@ -420,7 +461,7 @@ impl Name {
     fn read_feed(&mut self) -> Option<Item> {
         let (_, status, slot) = self.feed.as_mut()?;
         let status = status.borrow_and_update().clone();
-        let (observed, rv) = slot.borrow_and_update().clone();
+        let (observed, rv) = slot.rx.borrow_and_update().clone();
         if status.failures > self.failures {
             self.failures = status.failures;
             if let Some(error) = status.error {
@@ -459,12 +500,12 @@ async fn next_own(own: &mut Option<BoxStream<'static, Seen>>) -> Option<Seen> {
 
 /// The next change to the namespace watch's health or to this name's state.
 async fn next_feed(
-    feed: &mut Option<(Feed, watch::Receiver<Status>, watch::Receiver<Slot>)>,
+    feed: &mut Option<(Feed, watch::Receiver<Status>, Followed)>,
 ) -> Result<(), watch::error::RecvError> {
     match feed {
         Some((_, status, slot)) => tokio::select! {
             changed = status.changed() => changed,
-            changed = slot.changed() => changed,
+            changed = slot.rx.changed() => changed,
         },
         None => std::future::pending().await,
     }

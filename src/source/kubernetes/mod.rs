@@ -131,6 +131,12 @@ impl Kubernetes {
         self
     }
 
+    /// Names the namespace watches running now keep a channel for (ADR 0015): each one a name
+    /// some subscription follows. For tests that look for growth.
+    pub fn namespace_watch_names(&self) -> usize {
+        self.granularity.followed()
+    }
+
     /// As it is, serving only objects in `namespaces` (all, if empty), so that a Role in each
     /// grants the broker all it needs; cluster-scoped kinds are not served then.
     pub fn confined_to(mut self, namespaces: Vec<String>) -> Self {
