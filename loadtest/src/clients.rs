@@ -251,6 +251,17 @@ fn grpc_frame(message: &impl Message) -> Bytes {
 
 /// Opens a sidecar from `local` to `addr` subscribing to `name`; waits for its first message.
 pub async fn sidecar(addr: SocketAddr, local: Ipv4Addr, name: &str) -> anyhow::Result<Sidecar> {
+    open(addr, local, &subscribe_request(name), true).await
+}
+
+/// Opens a raw stream from `local` to `addr` with `request`, taking its first message if
+/// `read_first`; after that it reads nothing (it stalls once the server fills its window).
+pub async fn open(
+    addr: SocketAddr,
+    local: Ipv4Addr,
+    request: &pb::SubscribeRequest,
+    read_first: bool,
+) -> anyhow::Result<Sidecar> {
     let socket = TcpSocket::new_v4()?;
     socket.bind(SocketAddr::new(IpAddr::V4(local), 0))?;
     let tcp = socket.connect(addr).await?;
@@ -260,18 +271,20 @@ pub async fn sidecar(addr: SocketAddr, local: Ipv4Addr, name: &str) -> anyhow::R
         let _ = conn.await;
     });
     let mut send = send.ready().await?;
-    let request = http::Request::post(format!("http://{addr}/crdbroker.v1.Broker/Subscribe"))
+    let post = http::Request::post(format!("http://{addr}/crdbroker.v1.Broker/Subscribe"))
         .header("content-type", "application/grpc")
         .header("te", "trailers")
         .body(())?;
-    let (response, mut stream) = send.send_request(request, false)?;
-    stream.send_data(grpc_frame(&subscribe_request(name)), true)?;
+    let (response, mut stream) = send.send_request(post, false)?;
+    stream.send_data(grpc_frame(request), true)?;
     let mut body = response.await?.into_body();
-    let first = body
-        .data()
-        .await
-        .ok_or_else(|| anyhow::anyhow!("the stream ended before its first message"))??;
-    let _ = body.flow_control().release_capacity(first.len());
+    if read_first {
+        let first = body
+            .data()
+            .await
+            .ok_or_else(|| anyhow::anyhow!("the stream ended before its first message"))??;
+        let _ = body.flow_control().release_capacity(first.len());
+    }
     Ok(Sidecar {
         _send: send,
         _body: body,

@@ -235,18 +235,31 @@ pub(crate) async fn warm_every_watch(
     Ok(trigger)
 }
 
+/// A plain HTTP/1.1 GET of `path` on the admin port: the status and the body.
+pub(crate) async fn get(admin: SocketAddr, path: &str) -> anyhow::Result<(u16, String)> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(admin).await?;
+    let request = format!("GET {path} HTTP/1.1\r\nHost: {admin}\r\nConnection: close\r\n\r\n");
+    stream.write_all(request.as_bytes()).await?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response).await?;
+    let status = response
+        .split(' ')
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    let body = response
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default();
+    Ok((status, body))
+}
+
 /// The broker's metrics, as `name{labels}` → value.
 pub(crate) async fn scrape(admin: SocketAddr) -> BTreeMap<String, f64> {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let Ok(mut stream) = tokio::net::TcpStream::connect(admin).await else {
+    let Ok((_, text)) = get(admin, "/metrics").await else {
         return BTreeMap::new();
     };
-    let request = format!("GET /metrics HTTP/1.1\r\nHost: {admin}\r\nConnection: close\r\n\r\n");
-    if stream.write_all(request.as_bytes()).await.is_err() {
-        return BTreeMap::new();
-    }
-    let mut text = String::new();
-    let _ = stream.read_to_string(&mut text).await;
     text.lines()
         .filter(|l| !l.starts_with('#'))
         .filter_map(|l| {

@@ -57,7 +57,9 @@ pub struct Run {
     /// under load, then a restart storm on a fresh replica), `connections` (TCP connections to
     /// the API server for 100, 1,000 and 5,000 CRs, HTTP/1.1 and HTTP/2), `granularity`
     /// (per-object watches against one namespace watch), `coldstart` (a cold subscribe's first
-    /// message against one LIST + WATCH on the same API server), or `all`.
+    /// message against one LIST + WATCH on the same API server), `attacks` (what one caller can
+    /// make the broker and the API server hold: cycled sets, namespaces and names, a token
+    /// flood, stalled set subscribers; docs/security.md), or `all`.
     #[arg(long, value_delimiter = ',', default_value = "all")]
     pub scenario: Vec<String>,
     /// A tiny configuration of every scenario (a few seconds), for CI.

@@ -7,6 +7,7 @@ use anyhow::Context;
 use serde::Serialize;
 
 use crate::Run;
+use crate::scenarios::attacks::Attacks;
 use crate::scenarios::churn::Churn;
 use crate::scenarios::coldstart::ColdStart;
 use crate::scenarios::connections::Connections;
@@ -111,6 +112,8 @@ pub struct Results {
     pub granularity: Option<Granularity>,
     /// A cold subscribe against one LIST + WATCH.
     pub coldstart: Option<ColdStart>,
+    /// The attacks a review found.
+    pub attacks: Option<Attacks>,
     /// Broker ÷ bare.
     pub ratios: Ratios,
 }
@@ -158,6 +161,7 @@ impl Results {
             connections: None,
             granularity: None,
             coldstart: None,
+            attacks: None,
             ratios: Ratios::default(),
         }
     }
@@ -461,6 +465,77 @@ pub fn markdown(r: &Results) -> String {
             t.reader_got_the_last
         );
     }
+    if let Some(a) = &r.attacks {
+        s += &attacks_section(a);
+    }
+    s
+}
+
+fn attacks_section(a: &Attacks) -> String {
+    let mut s = String::from(
+        "### Attacks (docs/security.md)
+
+| attack | from | admitted | API watches after | broker watches after | another caller served |
+|---|---|---|---|---|---|
+",
+    );
+    for (what, cycles) in [
+        ("set selectors, `--max-watches 50`", &a.set_cycles),
+        ("one name per namespace", &a.namespace_cycles),
+    ] {
+        for c in cycles {
+            s += &format!(
+                "| {} × {what} | {} | {} | {} | {} | {} |\n",
+                c.attempted,
+                c.from,
+                c.admitted,
+                c.api_watches_after,
+                c.broker_watches_after,
+                c.other_caller_served
+            );
+        }
+    }
+    let t = &a.token_flood;
+    let lat = |x: &crate::stats::Summary| format!("{} / {} ms", x.p50_ms, x.p99_ms);
+    s += &format!(
+        "
+{} random bearer tokens from one address: {} TokenReviews; memory {} → {}; a valid caller's \
+first message (p50 / p99) {} before, {} during, {} failed; its next subscribe after cost {} \
+TokenReviews.
+
+",
+        t.tokens,
+        t.token_reviews,
+        mib(t.rss_before_bytes),
+        mib(t.rss_after_bytes),
+        lat(&t.valid_before),
+        lat(&t.valid_during),
+        t.valid_failures,
+        t.valid_reviews_after
+    );
+    let st = &a.stalled_set;
+    s += &format!(
+        "{} stalled subscribers of a set of {} × {}: memory {} before, {} while they stall, {} after \
+they left.
+
+",
+        st.subscribers,
+        st.members,
+        kib(st.member_bytes as f64),
+        mib(st.rss_before_bytes),
+        mib(st.rss_stalled_bytes),
+        mib(st.rss_after_bytes)
+    );
+    let n = &a.cycled_names;
+    let rounds: Vec<String> = n.rss_after_round_bytes.iter().map(|b| mib(*b)).collect();
+    s += &format!(
+        "{} made-up names, new each round: memory after each round {} ({:+}% first to last).
+
+",
+        n.names,
+        rounds.join(", "),
+        n.growth_percent
+    );
     s
 }
 

@@ -3,7 +3,8 @@
 use anyhow::Context;
 
 use crate::scenarios::{
-    churn, coldstart, connections, failover, fanout, granularity, identity, idle, stalled, storm,
+    attacks, churn, coldstart, connections, failover, fanout, granularity, identity, idle, stalled,
+    storm,
 };
 use crate::{Run, report, stats};
 
@@ -89,6 +90,13 @@ pub async fn run_all(run: Run) -> anyhow::Result<()> {
             stalled::stalled(&run)
                 .await
                 .context("the stalled-readers scenario")?,
+        );
+    }
+    if run.wants("attacks") {
+        results.attacks = Some(
+            attacks::attacks(&run)
+                .await
+                .context("the attacks scenario")?,
         );
     }
     results.compute_ratios();

@@ -60,6 +60,34 @@ impl Target {
         args: &[&str],
         log: Stdio,
     ) -> anyhow::Result<Target> {
+        let linger = humantime::format_duration(linger).to_string();
+        let mut all = vec!["--linger", &linger];
+        all.extend(["--max-connection-age", "0", "--readiness-interval", "1s"]);
+        // A few loopback addresses stand for thousands of sidecars here: no per-caller limit is
+        // meant to bind.
+        all.extend([
+            "--max-streams-per-caller",
+            "1000000",
+            "--new-watch-rate",
+            "100000",
+            "--new-watch-burst",
+            "100000",
+            "--max-watches-per-caller",
+            "1000000",
+        ]);
+        all.extend(args);
+        Self::launch(bin, kubeconfig, &all, &[], log).await
+    }
+
+    /// Starts the broker binary against the API server behind `kubeconfig` with `args` and `env`
+    /// alone: every other setting at its default.
+    pub async fn launch(
+        bin: &Path,
+        kubeconfig: &Path,
+        args: &[&str],
+        env: &[(&str, &str)],
+        log: Stdio,
+    ) -> anyhow::Result<Target> {
         let grpc: SocketAddr = ([127, 0, 0, 1], free_port()?).into();
         let admin: SocketAddr = ([127, 0, 0, 1], free_port()?).into();
         let child = Command::new(bin)
@@ -70,21 +98,8 @@ impl Target {
                 "--admin-addr",
                 &admin.to_string(),
             ])
-            .args(["--linger", &humantime::format_duration(linger).to_string()])
-            .args(["--max-connection-age", "0", "--readiness-interval", "1s"])
-            // A few loopback addresses stand for thousands of sidecars here: no per-caller
-            // limit is meant to bind.
-            .args([
-                "--max-streams-per-caller",
-                "1000000",
-                "--new-watch-rate",
-                "100000",
-                "--new-watch-burst",
-                "100000",
-                "--max-watches-per-caller",
-                "1000000",
-            ])
             .args(args)
+            .envs(env.iter().copied())
             .env("KUBECONFIG", kubeconfig)
             .env("RUST_LOG", "warn")
             .stdin(Stdio::null())

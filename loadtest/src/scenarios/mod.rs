@@ -2,6 +2,7 @@
 //! loopback for a bounded time, and measures. One a file; what they share is in
 //! [`crate::fixtures`], and the reports read their results.
 
+pub mod attacks;
 pub mod churn;
 pub mod coldstart;
 pub mod connections;
