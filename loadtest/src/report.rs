@@ -516,7 +516,7 @@ TokenReviews.
     let st = &a.stalled_set;
     s += &format!(
         "{} stalled subscribers of a set of {} × {}: memory {} before, {} while they stall, {} after \
-they left.
+they left ({} watches listed then), {} after a second round.
 
 ",
         st.subscribers,
@@ -524,17 +524,22 @@ they left.
         kib(st.member_bytes as f64),
         mib(st.rss_before_bytes),
         mib(st.rss_stalled_bytes),
-        mib(st.rss_after_bytes)
+        mib(st.rss_after_bytes),
+        st.watches_after,
+        mib(st.rss_after_second_round_bytes)
     );
     let n = &a.cycled_names;
     let rounds: Vec<String> = n.rss_after_round_bytes.iter().map(|b| mib(*b)).collect();
     s += &format!(
-        "{} made-up names, new each round: memory after each round {} ({:+}% first to last).
+        "{} made-up names, new each round: memory {} after a first round, then after each round {} \
+({:+}% first to last, {}% between the lowest and the highest).
 
 ",
         n.names,
+        mib(n.rss_after_warmup_bytes),
         rounds.join(", "),
-        n.growth_percent
+        n.growth_percent,
+        n.spread_percent
     );
     s
 }

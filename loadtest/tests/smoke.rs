@@ -181,8 +181,29 @@ fn the_smoke_configuration_runs_every_scenario_and_loses_nothing() {
             results["ratios"]
         );
     }
+    let attacks = &results["attacks"];
+    for cycle in attacks["set_cycles"].as_array().unwrap() {
+        assert_eq!(
+            cycle["admitted"], 12,
+            "a caller's share of --max-watches 50, sets counted: {cycle}"
+        );
+        assert_eq!(cycle["api_watches_after"], 12, "{cycle}");
+        assert_eq!(cycle["other_caller_served"], true, "{cycle}");
+    }
+    let flood = &attacks["token_flood"];
+    let allowed = 100.0 + 10.0 * flood["flood_seconds"].as_f64().unwrap() + 1.0;
+    assert!(
+        (flood["token_reviews"].as_f64().unwrap()) <= allowed,
+        "new tokens reviewed within the source's rate: {flood}"
+    );
+    assert_eq!(flood["valid_reviews_after"], 0, "{flood}");
+    assert_eq!(
+        attacks["stalled_set"]["watches_after"], 0,
+        "the set's watch lingered out: {attacks}"
+    );
     let summary = std::fs::read_to_string(out.join("summary.md")).unwrap();
     assert!(summary.contains("(c) reconnect storm"));
+    assert!(summary.contains("### Attacks"));
     assert!(summary.contains("The cost of identity"));
     let png = std::fs::read(out.join("latency.png")).unwrap();
     assert!(

@@ -62,6 +62,8 @@ pub struct TokenFlood {
     pub tokens: usize,
     /// TokenReviews the API server saw during the flood.
     pub token_reviews: usize,
+    /// How long the flood took.
+    pub flood_seconds: f64,
     /// Broker memory before and after.
     pub rss_before_bytes: u64,
     /// After.
@@ -92,6 +94,11 @@ pub struct StalledSet {
     pub rss_stalled_bytes: u64,
     /// After they left and the set's watch lingered out.
     pub rss_after_bytes: u64,
+    /// After as many came, stalled and left again: what the first round left is reused, not
+    /// added to.
+    pub rss_after_second_round_bytes: u64,
+    /// Watches the broker lists once they left (the set's lingered out).
+    pub watches_after: usize,
 }
 
 /// Made-up names cycled.
@@ -99,10 +106,15 @@ pub struct StalledSet {
 pub struct CycledNames {
     /// Names per round (new ones each round).
     pub names: usize,
+    /// Broker memory after a first round that is not counted (the allocator's arenas grow to
+    /// their working size once).
+    pub rss_after_warmup_bytes: u64,
     /// Broker memory after each round, once its watches lingered out.
     pub rss_after_round_bytes: Vec<u64>,
     /// (last − first) ÷ first, in percent.
     pub growth_percent: f64,
+    /// (highest − lowest) ÷ lowest, in percent.
+    pub spread_percent: f64,
 }
 
 /// How big each attack is.
@@ -366,10 +378,12 @@ async fn token_flood(run: &Run, tokens: usize) -> anyhow::Result<TokenFlood> {
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
     };
+    let started = Instant::now();
     tokio::select! {
         flooded = flooding => flooded?,
         _ = watching => unreachable!("the valid caller's loop never ends"),
     }
+    let flood_seconds = started.elapsed().as_secs_f64();
     let reviews = token_reviews(&fake);
     let rss_after = target.rss();
     fake.clear_requests();
@@ -379,6 +393,7 @@ async fn token_flood(run: &Run, tokens: usize) -> anyhow::Result<TokenFlood> {
     Ok(TokenFlood {
         tokens,
         token_reviews: reviews,
+        flood_seconds,
         rss_before_bytes: rss_before,
         rss_after_bytes: rss_after,
         valid_before: before.summary(),
@@ -400,37 +415,46 @@ async fn stalled_set(run: &Run, sizes: &Sizes) -> anyhow::Result<StalledSet> {
     let rss_before = target.rss();
     let request = set_request("app=big");
     let addr = target.grpc;
-    let subscribers: Vec<clients::Sidecar> = futures::stream::iter(0..sizes.stalled)
-        .map(|i| {
-            let local = Ipv4Addr::new(127, 0, 1, 1 + (i % 200) as u8);
-            let request = request.clone();
-            async move { clients::open(addr, local, &request, false).await }
-        })
-        .buffer_unordered(16)
-        .collect::<Vec<_>>()
-        .await
-        .into_iter()
-        .collect::<Result<_, _>>()?;
-    // The broker sends what each stream's window takes, then holds the rest.
-    tokio::time::sleep(Duration::from_secs(3)).await;
-    let rss_stalled = target.rss();
-    drop(subscribers);
-    tokio::time::sleep(linger + Duration::from_secs(3)).await;
-    let rss_after = target.rss();
+    let mut rss = Vec::new();
+    for _ in 0..2 {
+        let subscribers: Vec<clients::Sidecar> = futures::stream::iter(0..sizes.stalled)
+            .map(|i| {
+                let local = Ipv4Addr::new(127, 0, 1, 1 + (i % 200) as u8);
+                let request = request.clone();
+                async move { clients::open(addr, local, &request, false).await }
+            })
+            .buffer_unordered(16)
+            .collect::<Vec<_>>()
+            .await
+            .into_iter()
+            .collect::<Result<_, _>>()?;
+        // The broker sends what each stream's window takes, then holds the rest.
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        let stalled = target.rss();
+        drop(subscribers);
+        tokio::time::sleep(linger + Duration::from_secs(3)).await;
+        rss.push((stalled, target.rss()));
+    }
+    let admin = target.admin.expect("an admin port");
+    let (_, body) = fixtures::get(admin, "/debug/watches").await?;
+    let listed: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
     target.stop().await;
     Ok(StalledSet {
         members: sizes.set_members,
         member_bytes: sizes.member_bytes,
         subscribers: sizes.stalled,
         rss_before_bytes: rss_before,
-        rss_stalled_bytes: rss_stalled,
-        rss_after_bytes: rss_after,
+        rss_stalled_bytes: rss[0].0,
+        rss_after_bytes: rss[0].1,
+        rss_after_second_round_bytes: rss[1].1,
+        watches_after: listed["watches"].as_array().map_or(0, Vec::len),
     })
 }
 
 /// `names` made-up names in `default`, new ones each round, subscribed 100 to a stream over 50
 /// streams at once and left, while 100 other names stay subscribed (so the namespace watch the
-/// names share runs on); memory read once their watches lingered out.
+/// names share runs on); memory read once their watches lingered out, after a first round that
+/// is not counted and then after each of `rounds`.
 async fn cycled_names(run: &Run, names: usize, rounds: usize) -> anyhow::Result<CycledNames> {
     let unlimited = [
         "--linger",
@@ -458,7 +482,7 @@ async fn cycled_names(run: &Run, names: usize, rounds: usize) -> anyhow::Result<
         holder.message().await?;
     }
     let mut rss = Vec::new();
-    for round in 0..rounds {
+    for round in 0..=rounds {
         let batches: Vec<Vec<String>> = (0..names)
             .map(|i| format!("made-up-{round}-{i}"))
             .collect::<Vec<_>>()
@@ -490,10 +514,20 @@ async fn cycled_names(run: &Run, names: usize, rounds: usize) -> anyhow::Result<
     }
     drop(holder);
     target.stop().await;
-    let (first, last) = (rss[0] as f64, *rss.last().unwrap_or(&0) as f64);
+    let warmup = rss.remove(0);
+    let percent = |from: u64, to: u64| {
+        ((to as f64 - from as f64) / (from as f64).max(1.0) * 1000.0).round() / 10.0
+    };
+    let (first, last) = (rss[0], *rss.last().unwrap_or(&0));
+    let (low, high) = (
+        rss.iter().copied().min().unwrap_or(0),
+        rss.iter().copied().max().unwrap_or(0),
+    );
     Ok(CycledNames {
         names,
-        growth_percent: ((last - first) / first.max(1.0) * 1000.0).round() / 10.0,
+        rss_after_warmup_bytes: warmup,
+        growth_percent: percent(first, last),
+        spread_percent: percent(low, high),
         rss_after_round_bytes: rss,
     })
 }
