@@ -39,6 +39,8 @@ pub struct Config {
     pub max_watches: usize,
     /// Identity, policy and per-caller limits.
     pub access: access::Settings,
+    /// Who may read the admin endpoints that tell what exists.
+    pub admin: crate::ops::guard::Settings,
 }
 
 /// The default `--max-watches`: each watch holds a connection to the API server, and a cluster
@@ -75,6 +77,7 @@ impl Default for Config {
             transport: transport::Config::default(),
             max_watches: DEFAULT_MAX_WATCHES,
             access: access::Settings::default(),
+            admin: crate::ops::guard::Settings::default(),
         }
     }
 }
@@ -146,6 +149,7 @@ impl<S: Source> Running<S> {
             error_reasons: &SourceError::REASONS,
         };
         let metrics = Arc::new(Metrics::new(known, source.api_requests()));
+        let guard = crate::ops::guard::Guard::new(config.admin, config.access.api.clone())?;
         let access = Access::new(config.access, metrics.clone())?;
         let registry = Registry::with_metrics(
             source,
@@ -176,6 +180,7 @@ impl<S: Source> Running<S> {
                 metrics.clone(),
                 Box::new(move || open.callers()),
                 grpc,
+                guard,
             );
         }
         let reflection = tonic_reflection::server::Builder::configure()
@@ -221,15 +226,14 @@ impl<S: Source> Running<S> {
                 let legacy = legacy.clone();
                 async move { legacy.sync_flags(request).await }
             });
-        // With identity off there is nothing to identify: requests go straight to the services.
-        let make: transport::MakeService = if access.identifies() {
+        // Every request's caller is named before the services see it (anonymous with identity
+        // off): a service refuses a request without one.
+        let make: transport::MakeService = {
             let access = access.clone();
             Arc::new(move |peer| {
                 let conn = access.connection(peer);
                 transport::Service::new(Authenticate::new(access.clone(), conn, routes.clone()))
             })
-        } else {
-            Arc::new(move |_peer| transport::Service::new(routes.clone()))
         };
         let serving = transport::serve(
             transport::Listeners { tcp, tls, unix },

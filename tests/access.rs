@@ -761,11 +761,7 @@ async fn readiness_needs_the_rights_the_identity_sources_use() {
         ..Default::default()
     };
     config.linger = Duration::ZERO;
-    let listeners = crd_broker::broker::Listeners {
-        tcp: Some(tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap()),
-        admin: Some(tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap()),
-        ..Default::default()
-    };
+    let listeners = with_admin().await;
     let broker = broker_with(&fake, listeners, config, vec![]);
     let admin = broker.admin_addr.unwrap();
     let readyz = || http_get(admin, "/readyz");

@@ -43,6 +43,20 @@ async fn settle(fake: &FakeApiServer, want: (usize, usize)) {
     assert!(ok.is_ok(), "watches {:?}, not {want:?}", watches(fake));
 }
 
+/// A stream of each of `names` on `client`, each past its first message: the object as it is.
+async fn snapshots(
+    client: &mut crd_broker::pb::broker_client::BrokerClient<tonic::transport::Channel>,
+    names: impl IntoIterator<Item = String>,
+) -> Vec<tonic::Streaming<crd_broker::pb::SubscribeResponse>> {
+    let mut streams = Vec::new();
+    for n in names {
+        let mut s = subscribe(client, &[&demo(&n)]).await;
+        assert_eq!(next(&mut s).await.event(), Event::Snapshot, "{n}");
+        streams.push(s);
+    }
+    streams
+}
+
 fn seq(r: &crd_broker::pb::SubscribeResponse) -> Option<u64> {
     object(r)["spec"]["flagSpec"]["metadata"]["seq"].as_u64()
 }
@@ -55,12 +69,7 @@ async fn past_the_threshold_one_namespace_watch_feeds_the_names_and_below_half_e
     }
     let broker = broker(&fake).await;
     let mut client = connect(broker.addr).await;
-    let mut streams = Vec::new();
-    for k in 0..THRESHOLD {
-        let mut s = subscribe(&mut client, &[&demo(&name(k))]).await;
-        assert_eq!(next(&mut s).await.event(), Event::Snapshot);
-        streams.push(s);
-    }
+    let mut streams = snapshots(&mut client, (0..THRESHOLD).map(name)).await;
     settle(&fake, (0, THRESHOLD)).await;
     // One more name: past the threshold.
     let mut s = subscribe(&mut client, &[&demo(&name(THRESHOLD))]).await;
@@ -195,12 +204,7 @@ async fn a_role_that_names_the_objects_keeps_a_watch_per_name() {
     ]);
     let broker = broker(&fake).await;
     let mut client = connect(broker.addr).await;
-    let mut streams = Vec::new();
-    for n in &names {
-        let mut s = subscribe(&mut client, &[&demo(n)]).await;
-        assert_eq!(next(&mut s).await.event(), Event::Snapshot);
-        streams.push(s);
-    }
+    let mut streams = snapshots(&mut client, names.iter().cloned()).await;
     settle(&fake, (0, THRESHOLD + 1)).await;
     eventually("the namespace watch was tried", WAIT, async || {
         fake.requests()
@@ -227,12 +231,7 @@ async fn a_namespace_where_few_objects_are_watched_keeps_a_watch_per_name() {
     }
     let broker = broker(&fake).await;
     let mut client = connect(broker.addr).await;
-    let mut streams = Vec::new();
-    for k in 0..=THRESHOLD {
-        let mut s = subscribe(&mut client, &[&demo(&name(k))]).await;
-        assert_eq!(next(&mut s).await.event(), Event::Snapshot);
-        streams.push(s);
-    }
+    let mut streams = snapshots(&mut client, (0..=THRESHOLD).map(name)).await;
     // Five names of forty objects: the namespace watch lists, finds too few watched, and ends.
     eventually("the namespace watch was tried", WAIT, async || {
         fake.requests()
@@ -294,4 +293,45 @@ async fn names_nobody_follows_leave_the_namespace_watch_while_it_runs_on() {
     // A held name still hears about its object.
     fake.apply(flag("held-0", "on")).unwrap();
     until(&mut holder, |r| r.event() == Event::Snapshot).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_name_follows_the_newest_namespace_watch_after_a_quick_switch_away_and_back() {
+    use fake_apiserver::{Action, Injection, Matcher};
+    let fake = fake().await;
+    for k in 0..=THRESHOLD {
+        fake.apply(flag(&name(k), "on")).unwrap();
+    }
+    let broker = broker(&fake).await;
+    let mut client = connect(broker.addr).await;
+    let mut streams = snapshots(&mut client, (0..=THRESHOLD).map(name)).await;
+    settle(&fake, (1, 0)).await;
+    // Below half the threshold: the one name left goes back to its own watch, whose LIST the
+    // server holds, so it keeps following the namespace watch meanwhile.
+    fake.clear_requests();
+    fake.inject(Injection {
+        matcher: Matcher::verb("list").on(NS_PATH),
+        times: 1,
+        action: Action::Hang,
+    });
+    let mut kept = streams.remove(0);
+    drop(streams);
+    eventually("the name's own LIST was sent", WAIT, async || {
+        fake.requests().iter().any(|r| r.verb == "list")
+    })
+    .await;
+    // Past the threshold again, before that LIST answers: a new namespace watch.
+    let _again = snapshots(&mut client, (1..=THRESHOLD).map(name)).await;
+    // The name follows the new one; the old one stops.
+    settle(&fake, (1, 0)).await;
+    fake.merge_patch(
+        GV,
+        "featureflags",
+        "default",
+        &name(0),
+        variant_patch("off"),
+    )
+    .unwrap();
+    until(&mut kept, |r| variant(r) == "off").await;
+    settle(&fake, (1, 0)).await;
 }

@@ -333,11 +333,7 @@ async fn one_caller_keeps_at_most_its_share_of_watches_lingering_ones_too() {
         },
         ..Default::default()
     };
-    let listeners = crd_broker::broker::Listeners {
-        tcp: Some(tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap()),
-        admin: Some(tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap()),
-        ..Default::default()
-    };
+    let listeners = with_admin().await;
     let broker = broker_with(&fake, listeners, config, vec![]);
     let mut greedy = connect_from(broker.addr, "127.0.0.2").await;
     let mut s = subscribe(&mut greedy, &[&demo("a"), &demo("b")]).await;
@@ -460,11 +456,7 @@ async fn invented_groups_and_spellings_cost_bounded_discovery() {
 #[tokio::test]
 async fn invented_methods_add_no_metric_series() {
     let fake = fake().await;
-    let listeners = crd_broker::broker::Listeners {
-        tcp: Some(tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap()),
-        admin: Some(tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap()),
-        ..Default::default()
-    };
+    let listeners = with_admin().await;
     let broker = broker_with(&fake, listeners, Default::default(), vec![]);
     let channel = support::channel_from(broker.addr, "127.0.0.1").await;
     let before = metrics(broker.admin_addr.unwrap()).await;

@@ -935,3 +935,60 @@ async fn a_version_no_longer_served_fails_its_subscribers_and_flagd_follows_the_
         "core.openfeature.dev/v1"
     );
 }
+
+#[tokio::test]
+async fn the_debug_endpoints_let_in_a_token_whose_user_real_rbac_allows_the_path() {
+    let plane = control_plane();
+    let (ns, group, _) = widget_world(plane, "admin-auth").await;
+    let mut values = widget_values(&group, &ns, "30s");
+    // On 127.0.0.3: a caller connecting from 127.0.0.1 or .2 is not in the broker's own pod.
+    values["listenAddress"] = json!("127.0.0.3");
+    values["admin"] = json!({ "auth": "kubernetes", "metricsAuth": "kubernetes" });
+    let broker = plane.deploy(&ns, values).await;
+    let reader_role = format!("{ns}-debug-reader");
+    plane
+        .apply(&[
+            json!({ "apiVersion": "v1", "kind": "ServiceAccount", "metadata": { "name": "reader", "namespace": ns } }),
+            json!({ "apiVersion": "v1", "kind": "ServiceAccount", "metadata": { "name": "nobody", "namespace": ns } }),
+            json!({ "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+                "metadata": { "name": format!("{ns}-reader") },
+                "roleRef": { "apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": reader_role },
+                "subjects": [{ "kind": "ServiceAccount", "name": "reader", "namespace": ns }] }),
+        ])
+        .await;
+    let reader = plane.token(&ns, "reader", &[], None).await;
+    let nobody = plane.token(&ns, "nobody", &[], None).await;
+    let admin = broker.admin;
+    for path in ["/debug/watches", "/debug/callers", "/metrics"] {
+        let (status, body) = http_get_as(admin, "127.0.0.2", path, None).await;
+        assert_eq!(status, 401, "{path} without a token: {body}");
+        let (status, body) = http_get_as(admin, "127.0.0.2", path, Some("made-up")).await;
+        assert_eq!(status, 401, "{path} with a made-up token: {body}");
+        assert!(body.contains("the bearer token was refused"), "{body}");
+        let (status, body) = http_get_as(admin, "127.0.0.2", path, Some(&nobody)).await;
+        assert_eq!(status, 403, "{path} for a user without the grant: {body}");
+        assert!(
+            body.contains(&format!("system:serviceaccount:{ns}:nobody")) && body.contains(path),
+            "{body}"
+        );
+        let (status, body) = http_get_as(admin, "127.0.0.2", path, Some(&reader)).await;
+        assert_eq!(status, 200, "{path} for the reader: {body}");
+    }
+    // Probes stay open.
+    assert_eq!(
+        http_get_as(admin, "127.0.0.2", "/readyz", None).await.0,
+        200
+    );
+    // `crd-broker top --token-file` sends the token (it connects from 127.0.0.1).
+    let refused = crd_broker::cli::top::fetch(&admin.to_string(), None)
+        .await
+        .unwrap_err();
+    assert!(
+        format!("{refused:#}").contains("answered 401")
+            && format!("{refused:#}").contains("--token-file"),
+        "{refused:#}"
+    );
+    crd_broker::cli::top::fetch(&admin.to_string(), Some(&reader))
+        .await
+        .expect("top reads the broker with the reader's token");
+}

@@ -321,3 +321,24 @@ async fn every_dashboard_and_alert_query_returns_data_from_a_broker_under_load()
     assert_eq!(get(&m, "sync_active_streams"), 5.0);
     drop((streams, syncs));
 }
+
+#[tokio::test]
+async fn every_family_is_on_metrics_from_the_start_even_without_resource() {
+    let fake = fake().await;
+    let listeners = with_admin().await;
+    // No `--resource`: no kind is known until someone subscribes.
+    let broker = broker_with(&fake, listeners, Default::default(), vec![]);
+    let (_, text) = http_get(broker.admin_addr.unwrap(), "/metrics").await;
+    for family in [
+        "# TYPE crd_broker_watches gauge",
+        "# TYPE crd_broker_watch_starts counter",
+        "# TYPE crd_broker_watch_stops counter",
+        "# TYPE crd_broker_watch_errors counter",
+        "# TYPE crd_broker_updates counter",
+        "# TYPE crd_broker_skipped_states counter",
+        "# TYPE crd_broker_subscribers gauge",
+        "# TYPE crd_broker_fanout_seconds histogram",
+    ] {
+        assert!(text.contains(family), "{family} in:\n{text}");
+    }
+}

@@ -34,14 +34,6 @@ fn fast() -> Config {
     }
 }
 
-async fn listeners_with_admin() -> Listeners {
-    Listeners {
-        tcp: Some(TcpListener::bind("127.0.0.1:0").await.unwrap()),
-        admin: Some(TcpListener::bind("127.0.0.1:0").await.unwrap()),
-        ..Listeners::default()
-    }
-}
-
 async fn health(addr: std::net::SocketAddr, service: &str) -> ServingStatus {
     let mut client = HealthClient::new(channel(addr).await);
     let response = client
@@ -63,7 +55,7 @@ async fn readiness_and_health_follow_the_source_and_rbac() {
         ..Deny::default()
     });
     let allowed = vec!["featureflags.core.openfeature.dev".parse().unwrap()];
-    let broker = broker_with(&fake, listeners_with_admin().await, fast(), allowed);
+    let broker = broker_with(&fake, with_admin().await, fast(), allowed);
     let admin = broker.admin_addr.unwrap();
     assert_eq!(
         health(broker.addr, "").await,
@@ -150,7 +142,7 @@ async fn readiness_and_health_follow_the_source_and_rbac() {
 async fn metrics_and_debug_watches_move_as_the_broker_works() {
     let fake = fake().await;
     fake.apply(flag("demo", "on")).unwrap();
-    let broker = broker_with(&fake, listeners_with_admin().await, fast(), vec![]);
+    let broker = broker_with(&fake, with_admin().await, fast(), vec![]);
     let admin = broker.admin_addr.unwrap();
     const R: &str = r#"resource="featureflags.core.openfeature.dev""#;
 
@@ -340,6 +332,67 @@ async fn metrics_and_debug_watches_move_as_the_broker_works() {
 }
 
 #[tokio::test]
+async fn debug_endpoints_answer_only_the_brokers_own_pod_unless_made_public() {
+    use crd_broker::ops::guard::{AdminAuth, DebugEndpoints, Settings};
+    let fake = fake().await;
+    let local = broker_with(&fake, with_admin().await, fast(), vec![]);
+    let admin = local.admin_addr.unwrap();
+    // From the broker's own address: its pod (a port-forward arrives so too).
+    for path in ["/debug/watches", "/debug/callers", "/metrics", "/readyz"] {
+        assert_eq!(
+            http_get_as(admin, "127.0.0.1", path, None).await.0,
+            200,
+            "{path}"
+        );
+    }
+    // From elsewhere: the debug endpoints are refused, saying why and what to add.
+    for path in ["/debug/watches", "/debug/callers"] {
+        let (status, body) = http_get_as(admin, "127.0.0.2", path, None).await;
+        assert_eq!(status, 403, "{path}: {body}");
+        assert!(
+            body.contains("answers only callers in the broker's own pod"),
+            "{body}"
+        );
+        assert!(body.contains("--admin-auth kubernetes"), "{body}");
+    }
+    // Probes and metrics stay open.
+    for path in ["/livez", "/readyz", "/metrics"] {
+        assert_eq!(
+            http_get_as(admin, "127.0.0.2", path, None).await.0,
+            200,
+            "{path}"
+        );
+    }
+    // Made public, they answer anyone; metrics asked to authenticate do not.
+    let config = Config {
+        admin: Settings {
+            debug_endpoints: DebugEndpoints::Public,
+            admin_auth: AdminAuth::None,
+            metrics_auth: AdminAuth::Kubernetes,
+        },
+        ..fast()
+    };
+    let public = broker_with(&fake, with_admin().await, config, vec![]);
+    let admin = public.admin_addr.unwrap();
+    assert_eq!(
+        http_get_as(admin, "127.0.0.2", "/debug/watches", None)
+            .await
+            .0,
+        200
+    );
+    let (status, body) = http_get_as(admin, "127.0.0.2", "/metrics", None).await;
+    assert_eq!(status, 401, "{body}");
+    assert!(
+        body.contains("needs `authorization: Bearer <token>`"),
+        "{body}"
+    );
+    assert_eq!(
+        http_get_as(admin, "127.0.0.1", "/metrics", None).await.0,
+        200
+    );
+}
+
+#[tokio::test]
 async fn reflection_lists_and_describes_the_services() {
     use tonic_reflection::pb::v1::ServerReflectionRequest;
     use tonic_reflection::pb::v1::server_reflection_client::ServerReflectionClient;
@@ -347,7 +400,7 @@ async fn reflection_lists_and_describes_the_services() {
     use tonic_reflection::pb::v1::server_reflection_response::MessageResponse;
 
     let fake = fake().await;
-    let broker = broker_with(&fake, listeners_with_admin().await, fast(), vec![]);
+    let broker = broker_with(&fake, with_admin().await, fast(), vec![]);
     let mut client = ServerReflectionClient::new(channel(broker.addr).await);
     let ask = |m: MessageRequest| ServerReflectionRequest {
         host: String::new(),
@@ -508,7 +561,7 @@ async fn at_its_age_a_connection_gets_goaway_its_streams_end_unavailable_and_it_
     let mut config = fast();
     config.transport.max_connection_age = Some(Duration::from_secs(1));
     config.transport.max_connection_age_grace = Duration::from_secs(2);
-    let broker = broker_with(&fake, listeners_with_admin().await, config, vec![]);
+    let broker = broker_with(&fake, with_admin().await, config, vec![]);
     let (proxy, wire) = Wire::proxy(broker.addr).await;
     let channel = tonic::transport::Endpoint::from_shared(format!("http://{proxy}"))
         .unwrap()
@@ -579,7 +632,7 @@ async fn at_its_age_a_connection_gets_goaway_its_streams_end_unavailable_and_it_
 async fn client_pings_every_100ms_are_permitted() {
     let fake = fake().await;
     fake.apply(flag("demo", "on")).unwrap();
-    let broker = broker_with(&fake, listeners_with_admin().await, fast(), vec![]);
+    let broker = broker_with(&fake, with_admin().await, fast(), vec![]);
     // Far more often than the providers' 30 s: the server must not answer with GOAWAY
     // (ENHANCE_YOUR_CALM), as grpc-go's default enforcement would.
     let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", broker.addr))

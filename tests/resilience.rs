@@ -24,11 +24,7 @@ async fn steady_broker(
     staleness: Duration,
     discovery_ttl: Duration,
 ) -> Running<Kubernetes> {
-    let listeners = Listeners {
-        tcp: Some(TcpListener::bind("127.0.0.1:0").await.unwrap()),
-        admin: Some(TcpListener::bind("127.0.0.1:0").await.unwrap()),
-        ..Listeners::default()
-    };
+    let listeners = with_admin().await;
     let config = Config {
         linger: Duration::from_secs(30),
         readiness_interval: Duration::from_millis(200),
@@ -222,11 +218,7 @@ async fn a_stream_of_several_resources_survives_one_failing_after_the_others_wer
 
 /// A confined broker on the fake, serving FeatureFlags, checked every 200 ms.
 async fn confined_broker(fake: &FakeApiServer, namespaces: &[&str]) -> Running<Kubernetes> {
-    let listeners = Listeners {
-        tcp: Some(TcpListener::bind("127.0.0.1:0").await.unwrap()),
-        admin: Some(TcpListener::bind("127.0.0.1:0").await.unwrap()),
-        ..Listeners::default()
-    };
+    let listeners = with_admin().await;
     let config = Config {
         readiness_interval: Duration::from_millis(200),
         ..Config::default()

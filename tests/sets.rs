@@ -262,11 +262,7 @@ async fn broker_for_sets(
         },
         ..Default::default()
     };
-    let listeners = crd_broker::broker::Listeners {
-        tcp: Some(tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap()),
-        admin: Some(tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap()),
-        ..Default::default()
-    };
+    let listeners = with_admin().await;
     broker_with(fake, listeners, config, vec![])
 }
 

@@ -54,7 +54,7 @@ async fn top_shows_each_watch_its_rate_and_the_callers_and_sorts_by_any_column()
         streams.push(s);
     }
     let mut app = App::new(&admin, Column::Subscribers);
-    app.update(fetch(&admin).await.unwrap(), Instant::now());
+    app.update(fetch(&admin, None).await.unwrap(), Instant::now());
     let text = screen(&app);
     assert!(text.contains("SUBSCRIBERS ▼"), "{text}");
     assert!(text.contains("watches 2   subscribers 3"), "{text}");
@@ -80,7 +80,7 @@ async fn top_shows_each_watch_its_rate_and_the_callers_and_sorts_by_any_column()
         next(&mut streams[0]).await;
     }
     tokio::time::sleep(Duration::from_millis(100)).await;
-    app.update(fetch(&admin).await.unwrap(), Instant::now());
+    app.update(fetch(&admin, None).await.unwrap(), Instant::now());
     assert!(!press(&mut app, 's'), "s sorts by the next column");
     assert_eq!(app.sort, Column::Rate);
     let rows = app.rows();
@@ -102,7 +102,7 @@ async fn top_shows_each_watch_its_rate_and_the_callers_and_sorts_by_any_column()
 
     // A broker that does not answer is said so, and the view stays up.
     let mut gone = App::new("http://127.0.0.1:1", Column::Subscribers);
-    let error = fetch("http://127.0.0.1:1").await.unwrap_err();
+    let error = fetch("http://127.0.0.1:1", None).await.unwrap_err();
     gone.error = Some(format!("{error:#}"));
     assert!(screen(&gone).contains("cannot read the broker"));
 }
@@ -127,7 +127,7 @@ async fn top_names_a_resource_whole_at_80_and_120_columns() {
         streams.push(s);
     }
     let mut app = App::new(&admin, Column::Subscribers);
-    app.update(fetch(&admin).await.unwrap(), Instant::now());
+    app.update(fetch(&admin, None).await.unwrap(), Instant::now());
     let wide = screen_of(&app, 120, 40);
     for shown in [
         format!("featureflags/default/{long}"),

@@ -158,16 +158,22 @@ pub enum Caller {
 }
 
 impl Caller {
-    /// The caller a request is: the one [`Authenticate`] put in its extensions, else
-    /// (identity off) an anonymous one at the connection's peer.
-    pub fn of(extensions: &http::Extensions) -> Caller {
-        if let Some(caller) = extensions.get::<Caller>() {
-            return caller.clone();
-        }
-        let peer = extensions.get::<Peer>();
+    /// The caller a request is: the one [`Authenticate`] put in its extensions (an anonymous
+    /// one when identity is off). A request it did not see has none, and is refused rather than
+    /// taken for an anonymous caller, whom no policy limits.
+    pub fn of(extensions: &http::Extensions) -> Result<Caller, Status> {
+        extensions.get::<Caller>().cloned().ok_or_else(|| {
+            Status::unauthenticated(
+                "the request reached the service without its caller being identified",
+            )
+        })
+    }
+
+    /// The anonymous caller at `peer` (identity off).
+    fn anonymous(peer: &Peer) -> Caller {
         Caller::Anonymous {
-            ip: peer.and_then(Peer::ip),
-            connection: peer.map(|p| p.id),
+            ip: peer.ip(),
+            connection: Some(peer.id),
         }
     }
 
@@ -396,6 +402,9 @@ impl Access {
         conn: &ConnIdentity,
         headers: &HeaderMap,
     ) -> Result<Caller, Status> {
+        if !self.identifies() {
+            return Ok(Caller::anonymous(&conn.peer));
+        }
         let mut tried = Vec::new();
         let mut failed = false;
         for &source in &self.settings.identity.0 {
@@ -503,11 +512,7 @@ impl Access {
             return Outcome::Failed("no Kubernetes API".into());
         };
         // Where the token comes from, as the limits would key the caller without one.
-        let anonymous = Caller::Anonymous {
-            ip: conn.peer.ip(),
-            connection: Some(conn.peer.id),
-        };
-        let source = anonymous
+        let source = Caller::anonymous(&conn.peer)
             .limit_key(&self.settings.mesh_proxies)
             .unwrap_or_else(|| format!("connection:{}", conn.peer.id));
         match tokens.review(token, &source).await {
@@ -616,11 +621,7 @@ impl Access {
             (_, None) => Denial::ClusterScoped,
             (r, Some(_)) => r,
         };
-        self.metrics
-            .access
-            .denials
-            .get_or_create(&DenialLabels { reason })
-            .inc();
+        self.count_denial(reason);
         Status::permission_denied(denial_message(caller, selector))
     }
 
@@ -664,13 +665,33 @@ impl Access {
                     ),
                 );
         }
-        Ok(Ticket {
+        let ticket = Ticket {
             slot,
             id,
             open: registered.then(|| self.open.clone()),
             revoked,
             reason,
-        })
+        };
+        // A reload between the caller's authorization and the registration above would have
+        // found nothing to revoke: the policy in force is asked again now that a reload will
+        // find this stream (dropping the ticket unregisters it).
+        if registered {
+            let policy = self.policy.get();
+            if let Some(s) = selectors.iter().find(|s| !policy.may_read(caller, s)) {
+                self.count_denial(Denial::Revoked);
+                let why = format!("{}; the policy changed", denial_message(caller, s));
+                return Err(Status::permission_denied(why));
+            }
+        }
+        Ok(ticket)
+    }
+
+    fn count_denial(&self, reason: Denial) {
+        self.metrics
+            .access
+            .denials
+            .get_or_create(&DenialLabels { reason })
+            .inc();
     }
 
     /// Counts a request refused by `limit`.
@@ -689,13 +710,7 @@ impl Access {
         for (caller, selectors, revoked, reason) in open.values() {
             if let Some(s) = selectors.iter().find(|s| !policy.may_read(caller, s)) {
                 let _ = reason.set(format!("{}; the policy changed", denial_message(caller, s)));
-                self.metrics
-                    .access
-                    .denials
-                    .get_or_create(&DenialLabels {
-                        reason: Denial::Revoked,
-                    })
-                    .inc();
+                self.count_denial(Denial::Revoked);
                 revoked.cancel();
             }
         }
@@ -768,5 +783,62 @@ impl Drop for Ticket {
                 .unwrap_or_else(PoisonError::into_inner)
                 .remove(&self.id);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn workload(namespace: &str) -> Caller {
+        Caller::Workload(Workload {
+            namespace: namespace.into(),
+            service_account: "app".into(),
+            pod: None,
+            instance: Some("1".into()),
+        })
+    }
+
+    #[test]
+    fn a_request_the_access_layer_did_not_see_has_no_caller() {
+        let status = Caller::of(&http::Extensions::new()).unwrap_err();
+        assert_eq!(status.code(), tonic::Code::Unauthenticated);
+    }
+
+    #[tokio::test]
+    async fn a_policy_changed_between_authorization_and_admission_refuses_the_stream() {
+        let grant = Policy::parse("grants:\n  - from: team-a\n    read: [team-b]\n").unwrap();
+        let (policy, swap) = policy::Current::swappable(grant);
+        let settings = Settings {
+            identity: "mtls".parse().unwrap(),
+            ..Settings::default()
+        };
+        let access = Access::assemble(settings, policy, Arc::default());
+        let caller = workload("team-a");
+        let selector: Selector = "featureflags.v1beta1.core.openfeature.dev/team-b/f"
+            .parse()
+            .unwrap();
+        access.authorize(&caller, &selector).expect("granted");
+        // The reload lands here, and finds no stream of this caller's to revoke.
+        swap.send_replace(Arc::new(Policy::default()));
+        access.revoke_what_the_policy_forbids();
+        let Err(refused) = access.admit(&caller, std::slice::from_ref(&selector), 1) else {
+            panic!("the policy in force no longer allows it");
+        };
+        assert_eq!(refused.code(), tonic::Code::PermissionDenied);
+        assert!(
+            refused.message().contains("the policy changed"),
+            "{}",
+            refused.message()
+        );
+        assert!(
+            access.open.lock().unwrap().is_empty(),
+            "not left registered"
+        );
+        // The caller's own namespace is still theirs.
+        let own: Selector = "featureflags.v1beta1.core.openfeature.dev/team-a/f"
+            .parse()
+            .unwrap();
+        access.admit(&caller, &[own], 1).expect("its own namespace");
     }
 }

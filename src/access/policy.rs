@@ -385,6 +385,13 @@ impl Current {
     pub fn get(&self) -> Arc<Policy> {
         self.rx.borrow().clone()
     }
+
+    /// A policy the caller replaces through the sender, with no reloader: for tests.
+    #[cfg(test)]
+    pub(crate) fn swappable(policy: Policy) -> (Current, watch::Sender<Arc<Policy>>) {
+        let (tx, rx) = watch::channel(Arc::new(policy));
+        (Current { rx }, tx)
+    }
 }
 
 #[cfg(test)]

@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use futures::FutureExt;
-use k8s_openapi::api::authentication::v1::{TokenReview, TokenReviewSpec};
+use k8s_openapi::api::authentication::v1::{TokenReview, TokenReviewSpec, TokenReviewStatus};
 use kube::api::{Api, PostParams};
 
 use super::{PodRef, Workload};
@@ -36,7 +36,7 @@ pub const REVIEW_RATE: f64 = 10.0;
 pub const REVIEW_BURST: f64 = 100.0;
 
 /// The longest a review may take.
-const REVIEW_TIMEOUT: Duration = Duration::from_secs(10);
+pub(crate) const REVIEW_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The longest token looked at (projected tokens are about 1 KiB).
 pub const MAX_TOKEN: usize = 16 * 1024;
@@ -169,29 +169,40 @@ impl Tokens {
     }
 }
 
-async fn review(client: kube::Client, token: &str, audiences: Vec<String>) -> Reviewed {
+/// A TokenReview of `token` for `audiences` (`None`: the API server's own), bounded in time:
+/// what it says, or why it could not be asked.
+pub(crate) async fn token_review(
+    client: kube::Client,
+    token: &str,
+    audiences: Option<Vec<String>>,
+) -> Result<TokenReviewStatus, String> {
     let reviews: Api<TokenReview> = Api::all(client);
     let request = TokenReview {
         spec: TokenReviewSpec {
             token: token.to_string(),
-            audiences: Some(audiences.clone()),
+            audiences,
         },
         ..TokenReview::default()
     };
     let params = PostParams::default();
     let answer = tokio::time::timeout(REVIEW_TIMEOUT, reviews.create(&params, &request));
-    let status = match answer.await {
-        Ok(Ok(review)) => review.status.unwrap_or_default(),
+    match answer.await {
+        Ok(Ok(review)) => Ok(review.status.unwrap_or_default()),
         Ok(Err(kube::Error::Api(s))) => {
             tracing::warn!(code = s.code, message = %s.message, "a TokenReview failed");
-            return Reviewed::Failed(format!("the TokenReview failed ({} {})", s.code, s.reason));
+            Err(format!("the TokenReview failed ({} {})", s.code, s.reason))
         }
-        Ok(Err(e)) => return Reviewed::Failed(format!("the TokenReview failed ({e})")),
-        Err(_) => {
-            return Reviewed::Failed(format!(
-                "the TokenReview did not answer within {REVIEW_TIMEOUT:?}"
-            ));
-        }
+        Ok(Err(e)) => Err(format!("the TokenReview failed ({e})")),
+        Err(_) => Err(format!(
+            "the TokenReview did not answer within {REVIEW_TIMEOUT:?}"
+        )),
+    }
+}
+
+async fn review(client: kube::Client, token: &str, audiences: Vec<String>) -> Reviewed {
+    let status = match token_review(client, token, Some(audiences.clone())).await {
+        Ok(status) => status,
+        Err(why) => return Reviewed::Failed(why),
     };
     if status.authenticated != Some(true) {
         // The API server's error says why (expired, wrong audience); it is about the caller's

@@ -165,6 +165,35 @@ pub struct Serve {
     /// (`none`: off).
     #[arg(long, env = "CRD_BROKER_ADMIN_ADDR", default_value = "[::]:8016")]
     pub admin_addr: MaybeAddr,
+    /// Who may read `/debug/*` (which names every watched resource and every caller) without
+    /// credentials: `local`, callers in the broker's own pod (its containers, `kubectl
+    /// port-forward`), or `public`, anyone who reaches the admin port.
+    #[arg(
+        long,
+        env = "CRD_BROKER_DEBUG_ENDPOINTS",
+        value_enum,
+        default_value = "local"
+    )]
+    pub debug_endpoints: crate::ops::guard::DebugEndpoints,
+    /// How other callers may read `/debug/*`: `kubernetes`, a bearer token of a user the API
+    /// server allows to `get` the path as a nonResourceURL (TokenReview, then
+    /// SubjectAccessReview; the broker needs `create` on both), or `none`.
+    #[arg(
+        long,
+        env = "CRD_BROKER_ADMIN_AUTH",
+        value_enum,
+        default_value = "none"
+    )]
+    pub admin_auth: crate::ops::guard::AdminAuth,
+    /// The same for `/metrics` from outside the broker's pod: `none` (open to all, the default),
+    /// or `kubernetes`.
+    #[arg(
+        long,
+        env = "CRD_BROKER_METRICS_AUTH",
+        value_enum,
+        default_value = "none"
+    )]
+    pub metrics_auth: crate::ops::guard::AdminAuth,
     /// Serve the CRDs and custom resources in this directory of manifests instead of a
     /// cluster; edits to its files are seen as changes.
     #[arg(long, env = "CRD_BROKER_MANIFESTS", value_name = "DIR")]
@@ -510,6 +539,11 @@ impl Serve {
                 stream_send_buffer: transport::DEFAULT_STREAM_SEND_BUFFER,
             },
             max_watches: self.max_watches,
+            admin: crate::ops::guard::Settings {
+                debug_endpoints: self.debug_endpoints,
+                admin_auth: self.admin_auth,
+                metrics_auth: self.metrics_auth,
+            },
             access: access::Settings {
                 identity: self.identity.clone(),
                 policy: self.policy.clone(),

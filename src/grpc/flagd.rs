@@ -440,11 +440,11 @@ impl<S: Source> FlagdCore<S> {
         let selector = match target(request.metadata(), body)? {
             Target::One(selector) => selector,
             Target::Set(set) => {
-                let caller = Caller::of(request.extensions());
+                let caller = Caller::of(request.extensions())?;
                 return self.sync_set(drain, caller, set, protocol).await;
             }
         };
-        let caller = Caller::of(request.extensions());
+        let caller = Caller::of(request.extensions())?;
         let (canonical, subscription, ticket) = self.subscribe(&caller, &selector).await?;
         let span = tracing::info_span!(
             "subscription",
@@ -467,7 +467,7 @@ impl<S: Source> FlagdCore<S> {
     }
 
     async fn fetch<T>(&self, request: &Request<T>, body: &str) -> Result<String, Status> {
-        let caller = Caller::of(request.extensions());
+        let caller = Caller::of(request.extensions())?;
         let selector = match target(request.metadata(), body)? {
             Target::One(selector) => selector,
             Target::Set(set) => return self.fetch_set(caller, set).await,

@@ -281,7 +281,7 @@ impl<S: Source> Broker for BrokerService<S> {
     ) -> Result<Response<Self::SubscribeStream>, Status> {
         let started = Instant::now();
         let drain = drain_of(&request, &self.shutdown);
-        let caller = Caller::of(request.extensions());
+        let caller = Caller::of(request.extensions())?;
         let (metadata, _, message) = request.into_parts();
         let resources = message.resources;
         if resources.len() > 1

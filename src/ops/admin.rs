@@ -1,6 +1,6 @@
 //! The admin HTTP server: `/livez`, `/readyz`, `/metrics` and `/debug/watches`, and gRPC
 //! health (`grpc.health.v1.Health`) over HTTP/2 without TLS, as flagd-proxy serves it on its
-//! management port.
+//! management port. `/debug/*` and (if asked) `/metrics` are behind the [`Guard`].
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -9,11 +9,13 @@ use std::time::{Duration, Instant, SystemTime};
 use axum::Router;
 use axum::extract::State;
 use axum::http::{StatusCode, header};
+use axum::middleware::from_fn_with_state;
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use serde_json::json;
 use tokio::net::TcpListener;
 
+use crate::ops::guard::{self, Ends, Guard};
 use crate::ops::health::Readiness;
 use crate::registry::{Registry, WatchStatus};
 use crate::source::Source;
@@ -43,6 +45,7 @@ pub fn spawn<S: Source>(
     metrics: Arc<Metrics>,
     callers: Box<dyn Fn() -> Vec<(String, usize)> + Send + Sync>,
     grpc: Router,
+    guard: Arc<Guard>,
 ) {
     let started = Instant::now();
     let heartbeat = Arc::new(AtomicU64::new(0));
@@ -64,15 +67,22 @@ pub fn spawn<S: Source>(
         started,
         heartbeat,
     });
+    let debug = Router::new()
+        .route("/debug/watches", get(watches))
+        .route("/debug/callers", get(list_callers))
+        .route_layer(from_fn_with_state(guard.clone(), guard::debug));
+    let metrics = Router::new()
+        .route("/metrics", get(metrics_text))
+        .route_layer(from_fn_with_state(guard, guard::metrics));
     let app = Router::new()
         .route("/livez", get(live))
         .route("/healthz", get(live))
         .route("/readyz", get(ready))
-        .route("/metrics", get(metrics_text))
-        .route("/debug/watches", get(watches))
-        .route("/debug/callers", get(list_callers))
+        .merge(debug)
+        .merge(metrics)
         .with_state(admin)
         .merge(grpc);
+    let app = app.into_make_service_with_connect_info::<Ends>();
     tokio::spawn(async move {
         if let Err(error) = axum::serve(listener, app).await {
             tracing::error!(%error, "the admin server stopped");

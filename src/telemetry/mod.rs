@@ -180,6 +180,32 @@ pub fn init(format: LogFormat, default_level: &str) -> TelemetryGuard {
     TelemetryGuard::new(exporting)
 }
 
+/// A family whose HELP and TYPE are written even before it has a series. The families labelled
+/// by kind have none until a kind is known: with `--resource` at start, without it at the first
+/// subscription. Declared, they are on `/metrics` from the start, so that scrapers and
+/// `promtool` see every family the broker has.
+#[derive(Debug)]
+pub(crate) struct Declared<M>(pub M);
+
+impl<M: prometheus_client::encoding::EncodeMetric> prometheus_client::encoding::EncodeMetric
+    for Declared<M>
+{
+    fn encode(
+        &self,
+        encoder: prometheus_client::encoding::MetricEncoder,
+    ) -> Result<(), std::fmt::Error> {
+        self.0.encode(encoder)
+    }
+
+    fn metric_type(&self) -> prometheus_client::metrics::MetricType {
+        self.0.metric_type()
+    }
+
+    fn is_empty(&self) -> bool {
+        false
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -95,12 +95,12 @@ impl SubscriptionMetrics {
         registry.register(
             "subscribers",
             "Subscriptions open, by kind and protocol",
-            self.open.clone(),
+            super::Declared(self.open.clone()),
         );
         registry.register(
             "fanout_seconds",
             "Seconds from a source event to the last subscriber's write of it",
-            self.fanout_seconds.clone(),
+            super::Declared(self.fanout_seconds.clone()),
         );
         registry.register(
             "first_message_seconds",

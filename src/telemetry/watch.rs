@@ -82,28 +82,32 @@ impl WatchMetrics {
         registry.register(
             "watches",
             "Kubernetes watches open, by kind",
-            self.open.clone(),
+            super::Declared(self.open.clone()),
         );
-        registry.register("watch_starts", "Watches started", self.starts.clone());
+        registry.register(
+            "watch_starts",
+            "Watches started",
+            super::Declared(self.starts.clone()),
+        );
         registry.register(
             "watch_stops",
             "Watches stopped, by reason",
-            self.stops.clone(),
+            super::Declared(self.stops.clone()),
         );
         registry.register(
             "watch_errors",
             "Errors the source reported, by reason",
-            self.errors.clone(),
+            super::Declared(self.errors.clone()),
         );
         registry.register(
             "updates",
             "New states published to subscribers",
-            self.updates.clone(),
+            super::Declared(self.updates.clone()),
         );
         registry.register(
             "skipped_states",
             "States a subscriber never got because a newer one replaced them first, by kind",
-            self.skipped_states.clone(),
+            super::Declared(self.skipped_states.clone()),
         );
         registry.register(
             "source_stale_seconds",

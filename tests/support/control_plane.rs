@@ -280,11 +280,14 @@ impl ControlPlane {
     /// [`ControlPlane::launch`], the broker reaching the API server at `server`.
     async fn launch_through(&self, namespace: &str, values: Value, server: &str) -> Deployed {
         let (grpc, admin) = (super::free_port(), super::free_port());
+        // A loopback address of the test's choosing, else 127.0.0.1.
+        let host = values["listenAddress"].as_str().unwrap_or("127.0.0.1");
+        let ip: std::net::IpAddr = host.parse().expect("listenAddress is a loopback IP");
         let mut overrides = json!({ "fullnameOverride": namespace });
         super::chart::merge(&mut overrides, &values);
         super::chart::merge(
             &mut overrides,
-            &json!({ "listenAddress": "127.0.0.1", "grpc": { "port": grpc }, "admin": { "port": admin } }),
+            &json!({ "listenAddress": host, "grpc": { "port": grpc }, "admin": { "port": admin } }),
         );
         let docs = super::chart::render_release(namespace, namespace, overrides).unwrap();
         let objects: Vec<Value> = docs
@@ -337,8 +340,8 @@ impl ControlPlane {
             .expect("the broker starts");
         let mut deployed = Deployed {
             child,
-            grpc: ([127, 0, 0, 1], grpc).into(),
-            admin: ([127, 0, 0, 1], admin).into(),
+            grpc: (ip, grpc).into(),
+            admin: (ip, admin).into(),
             namespace: namespace.to_string(),
             dir,
         };

@@ -115,9 +115,39 @@ pub async fn try_http_get(
     addr: std::net::SocketAddr,
     path: &str,
 ) -> std::io::Result<(u16, String)> {
+    let stream = tokio::net::TcpStream::connect(addr).await?;
+    exchange(stream, addr, path, None).await
+}
+
+/// A plain HTTP/1.1 GET from the loopback address `from`, with `token` as a bearer token if
+/// given: the status code and the body.
+pub async fn http_get_as(
+    addr: std::net::SocketAddr,
+    from: &str,
+    path: &str,
+    token: Option<&str>,
+) -> (u16, String) {
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket
+        .bind(std::net::SocketAddr::new(from.parse().unwrap(), 0))
+        .unwrap();
+    let stream = socket.connect(addr).await.expect("connect");
+    exchange(stream, addr, path, token).await.expect("GET")
+}
+
+/// One GET on `stream`, which the server closes after answering: the status and the body.
+async fn exchange(
+    mut stream: tokio::net::TcpStream,
+    addr: std::net::SocketAddr,
+    path: &str,
+    token: Option<&str>,
+) -> std::io::Result<(u16, String)> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut stream = tokio::net::TcpStream::connect(addr).await?;
-    let request = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+    let authorization = token
+        .map(|t| format!("Authorization: Bearer {t}\r\n"))
+        .unwrap_or_default();
+    let request =
+        format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\n{authorization}Connection: close\r\n\r\n");
     stream.write_all(request.as_bytes()).await?;
     let mut response = String::new();
     stream.read_to_string(&mut response).await?;
@@ -507,6 +537,15 @@ pub async fn forwarder(from: &str, to: std::net::SocketAddr) -> std::net::Socket
     addr
 }
 
+/// gRPC and admin listeners on 127.0.0.1, each on a free port.
+pub async fn with_admin() -> crd_broker::broker::Listeners {
+    crd_broker::broker::Listeners {
+        tcp: Some(TcpListener::bind("127.0.0.1:0").await.unwrap()),
+        admin: Some(TcpListener::bind("127.0.0.1:0").await.unwrap()),
+        ..Default::default()
+    }
+}
+
 /// A broker on 127.0.0.1:0 (with an admin port) on the fake, with these access settings and
 /// a linger of zero.
 pub async fn broker_with_access(
@@ -518,12 +557,7 @@ pub async fn broker_with_access(
         access,
         ..Default::default()
     };
-    let listeners = crd_broker::broker::Listeners {
-        tcp: Some(TcpListener::bind("127.0.0.1:0").await.unwrap()),
-        admin: Some(TcpListener::bind("127.0.0.1:0").await.unwrap()),
-        ..Default::default()
-    };
-    broker_with(fake, listeners, config, vec![])
+    broker_with(fake, with_admin().await, config, vec![])
 }
 
 /// `/metrics` text as sample → value.

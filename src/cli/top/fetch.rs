@@ -20,12 +20,15 @@ pub(super) fn authority(admin: &str) -> anyhow::Result<String> {
     Ok(rest.to_string())
 }
 
-/// A GET on the admin server; the body of a 200 answer.
-async fn get(authority: &str, path: &str) -> anyhow::Result<String> {
+/// A GET on the admin server, with `token` as a bearer token if given; the body of a 200 answer.
+async fn get(authority: &str, path: &str, token: Option<&str>) -> anyhow::Result<String> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let authorization = token
+        .map(|t| format!("Authorization: Bearer {}\r\n", t.trim()))
+        .unwrap_or_default();
     let read = async {
         let mut stream = tokio::net::TcpStream::connect(authority).await?;
-        let request = format!("GET {path} HTTP/1.0\r\nHost: {authority}\r\n\r\n");
+        let request = format!("GET {path} HTTP/1.0\r\nHost: {authority}\r\n{authorization}\r\n");
         stream.write_all(request.as_bytes()).await?;
         let mut response = Vec::new();
         stream
@@ -42,17 +45,32 @@ async fn get(authority: &str, path: &str) -> anyhow::Result<String> {
         .split_once("\r\n\r\n")
         .context("not an HTTP answer")?;
     let status = head.split(' ').nth(1).unwrap_or_default();
-    anyhow::ensure!(status == "200", "{path} answered {status}");
+    if status != "200" {
+        // The broker says why (a refused caller, a missing token): its first line, bounded.
+        let why: String = body
+            .lines()
+            .next()
+            .unwrap_or_default()
+            .chars()
+            .take(300)
+            .collect();
+        let hint = match (status, token) {
+            ("401" | "403", None) => " (give a token with --token-file)",
+            _ => "",
+        };
+        anyhow::bail!("{path} answered {status}: {why}{hint}");
+    }
     Ok(body.to_string())
 }
 
-/// Reads a snapshot from the broker at `admin`.
-pub async fn fetch(admin: &str) -> anyhow::Result<Snapshot> {
+/// Reads a snapshot from the broker at `admin`, sending `token` as a bearer token if given
+/// (a broker with `--admin-auth kubernetes` asks callers outside its pod for one).
+pub async fn fetch(admin: &str, token: Option<&str>) -> anyhow::Result<Snapshot> {
     let authority = authority(admin)?;
     let (watches, callers, metrics) = tokio::try_join!(
-        get(&authority, "/debug/watches"),
-        get(&authority, "/debug/callers"),
-        get(&authority, "/metrics"),
+        get(&authority, "/debug/watches", token),
+        get(&authority, "/debug/callers", token),
+        get(&authority, "/metrics", token),
     )?;
     let watches: Value = serde_json::from_str(&watches).context("/debug/watches")?;
     let callers: Value = serde_json::from_str(&callers).context("/debug/callers")?;

@@ -6,6 +6,7 @@
 //! [`fetch`] reads a [`Snapshot`] from the broker, the [`App`] keeps it (with the rates from the
 //! one before) and the sort, and [`draw`] lays it out for the terminal's width.
 
+use anyhow::Context;
 use std::time::{Duration, Instant};
 
 use ratatui::crossterm::event::{self, Event};
@@ -34,6 +35,20 @@ pub struct TopArgs {
     /// The column to sort the watches by (`s` cycles through them, `r` reverses).
     #[arg(long, value_enum, default_value_t = Column::Subscribers)]
     pub sort: Column,
+    /// A file holding a bearer token to send (read again at each refresh, as projected tokens
+    /// rotate): for a broker with `--admin-auth kubernetes` reached from outside its pod.
+    #[arg(long, env = "CRD_BROKER_TOKEN_FILE", value_name = "FILE")]
+    pub token_file: Option<std::path::PathBuf>,
+}
+
+/// The token in `file`, if one is given.
+fn token(file: Option<&std::path::Path>) -> anyhow::Result<Option<String>> {
+    file.map(|f| {
+        std::fs::read_to_string(f)
+            .map(|t| t.trim().to_string())
+            .with_context(|| format!("reading --token-file {}", f.display()))
+    })
+    .transpose()
 }
 
 /// The watches' columns, as `--sort` and `s` choose them.
@@ -91,7 +106,9 @@ pub async fn run(args: TopArgs) -> anyhow::Result<()> {
             let mut next_refresh = Instant::now();
             loop {
                 if Instant::now() >= next_refresh {
-                    match runtime.block_on(fetch(&app.admin)) {
+                    let snapshot = token(args.token_file.as_deref())
+                        .and_then(|token| runtime.block_on(fetch(&app.admin, token.as_deref())));
+                    match snapshot {
                         Ok(snapshot) => app.update(snapshot, Instant::now()),
                         Err(e) => app.error = Some(format!("{e:#}")),
                     }

@@ -387,8 +387,15 @@ impl Name {
     async fn next(mut self) -> Option<(Item, Name)> {
         loop {
             let wanted = self.mode.borrow_and_update().clone();
+            // A namespace watch other than the one followed (the mode went to another and
+            // back before this name's own watch listed) is left for the one wanted.
+            let following = |feed: &Feed| {
+                self.feed
+                    .as_ref()
+                    .is_some_and(|(f, _, _)| Arc::ptr_eq(&f.shared, &feed.shared))
+            };
             match &wanted {
-                Some(feed) if self.feed.is_none() => {
+                Some(feed) if !following(feed) => {
                     let status = feed.shared.status.subscribe();
                     let slot = feed.follow(&self.w.name);
                     self.feed = Some((feed.clone(), status, slot));

@@ -109,15 +109,32 @@ pub const MAX_FILE_BYTES: u64 = 4 * 1024 * 1024;
 /// The deepest nesting (mappings, sequences and flow collections) read in a manifest.
 pub const MAX_NESTING: usize = 64;
 
-/// A file's documents, within the size and nesting limits. Each document is carried straight
-/// from the parser into compact JSON, with no tree in between.
-pub(super) fn read_docs(path: &Path, len: u64) -> Result<Vec<Arc<Doc>>, String> {
+/// A file's documents, within the size and nesting limits. The file is opened once, and its
+/// size and place are checked on that handle: a file that grew since it was listed is read no
+/// further than the limit, and a link swapped to point outside `root` since it was listed is
+/// refused (on Linux, where the handle says where it really is). Each document is carried
+/// straight from the parser into compact JSON, with no tree in between.
+pub(super) fn read_docs(path: &Path, root: &Path) -> Result<Vec<Arc<Doc>>, String> {
+    use std::io::Read;
     let too_large =
         |len: u64| format!("{len} bytes: a manifest file may have at most {MAX_FILE_BYTES} bytes");
+    let file = std::fs::File::open(path).map_err(|e| e.to_string())?;
+    if let Some(real) = opened_at(&file)
+        && !real.starts_with(root)
+    {
+        return Err(format!(
+            "it leads to {}, outside the directory: not read",
+            real.display()
+        ));
+    }
+    let len = file.metadata().map_err(|e| e.to_string())?.len();
     if len > MAX_FILE_BYTES {
         return Err(too_large(len));
     }
-    let text = std::fs::read_to_string(path).map_err(|e| e.to_string())?;
+    let mut text = String::new();
+    file.take(MAX_FILE_BYTES + 1)
+        .read_to_string(&mut text)
+        .map_err(|e| e.to_string())?;
     if text.len() as u64 > MAX_FILE_BYTES {
         return Err(too_large(text.len() as u64));
     }
@@ -161,6 +178,53 @@ pub(super) fn documents(
         }
     }
     Ok(docs)
+}
+
+/// Where an open file really is (Linux: `/proc/self/fd`); `None` where that cannot be told.
+fn opened_at(file: &std::fs::File) -> Option<std::path::PathBuf> {
+    use std::os::fd::AsRawFd;
+    std::fs::read_link(format!("/proc/self/fd/{}", file.as_raw_fd())).ok()
+}
+
+/// Whether a process other than this one has `path` open for writing (Linux, among the
+/// processes whose open files this one may see: `/proc/<pid>/fd` and `fdinfo`). A file being
+/// written in place is not complete, however long its writer pauses.
+pub(super) fn open_for_writing(path: &Path) -> Option<u32> {
+    let real = std::fs::canonicalize(path).ok()?;
+    let own = std::process::id();
+    for process in std::fs::read_dir("/proc").ok()?.flatten() {
+        let Some(pid) = process
+            .file_name()
+            .to_str()
+            .and_then(|p| p.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if pid == own {
+            continue;
+        }
+        let Ok(fds) = std::fs::read_dir(process.path().join("fd")) else {
+            continue;
+        };
+        for fd in fds.flatten() {
+            if std::fs::read_link(fd.path()).ok().as_deref() != Some(real.as_path()) {
+                continue;
+            }
+            let info = process.path().join("fdinfo").join(fd.file_name());
+            let Ok(info) = std::fs::read_to_string(info) else {
+                continue;
+            };
+            let flags = info
+                .lines()
+                .find_map(|l| l.strip_prefix("flags:"))
+                .and_then(|f| u32::from_str_radix(f.trim(), 8).ok());
+            // O_ACCMODE: O_WRONLY (1) or O_RDWR (2).
+            if flags.is_some_and(|f| f & 0o3 != 0) {
+                return Some(pid);
+            }
+        }
+    }
+    None
 }
 
 /// The first line where `text` nests deeper than `max` — block indentation and `- ` items (for

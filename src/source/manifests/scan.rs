@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::SystemTime;
 
 use super::catalog::{Catalog, Key, ManifestKind, Stored, key_of, serve};
-use super::document::{Doc, read_docs};
+use super::document::{Doc, open_for_writing, read_docs};
 use crate::source::lock;
 
 /// The deepest directory level below the root that is read.
@@ -233,8 +233,14 @@ impl Loader {
                 self.pending.insert(path.clone(), Some(*stamp));
                 continue;
             }
+            // Unchanged over two polls, but still open for writing: a writer that paused
+            // mid-file. Taken once it is closed.
+            if !first && let Some(pid) = open_for_writing(path) {
+                tracing::debug!(file = %path.display(), pid, "still open for writing; not taken yet");
+                continue;
+            }
             self.pending.remove(path);
-            match read_docs(path, stamp.len) {
+            match read_docs(path, &self.root) {
                 Ok(docs) => {
                     self.failed.remove(path);
                     self.taken.insert(

@@ -92,7 +92,7 @@ fn documents_are_kept_as_compact_json_with_aliases_resolved_and_lists_unpacked()
     let dir = tempfile::tempdir().unwrap();
     let yaml = "---\nkind: List\napiVersion: v1\nitems:\n- {apiVersion: a/v1, kind: K, metadata: {name: x}, spec: &s {n: 1}}\n- {apiVersion: a/v1, kind: K, metadata: {name: y}, spec: *s}\n---\n# empty\n";
     write(dir.path(), "list.yaml", yaml);
-    let docs = read_docs(&dir.path().join("list.yaml"), yaml.len() as u64).unwrap();
+    let docs = read_docs(&dir.path().join("list.yaml"), dir.path()).unwrap();
     assert_eq!(docs.len(), 2);
     assert_eq!(
         &docs[1].json[..],
@@ -102,16 +102,16 @@ fn documents_are_kept_as_compact_json_with_aliases_resolved_and_lists_unpacked()
     assert_ne!(docs[0].digest, docs[1].digest, "different objects");
     let json = "{\n  \"apiVersion\": \"a/v1\",\n  \"kind\": \"K\",\n  \"metadata\": {\"name\": \"x\"}\n}\n";
     write(dir.path(), "x.json", json);
-    let docs = read_docs(&dir.path().join("x.json"), json.len() as u64).unwrap();
+    let docs = read_docs(&dir.path().join("x.json"), dir.path()).unwrap();
     assert_eq!(
         &docs[0].json[..],
         br#"{"apiVersion":"a/v1","kind":"K","metadata":{"name":"x"}}"#
     );
     write(dir.path(), "two.json", "{} {}");
-    assert!(read_docs(&dir.path().join("two.json"), 5).is_err());
+    assert!(read_docs(&dir.path().join("two.json"), dir.path()).is_err());
     write(dir.path(), "scalar.yaml", "just text\n");
     assert_eq!(
-        read_docs(&dir.path().join("scalar.yaml"), 10).unwrap_err(),
+        read_docs(&dir.path().join("scalar.yaml"), dir.path()).unwrap_err(),
         "a document is not a mapping"
     );
 }
@@ -173,4 +173,67 @@ fn versions_sort_by_kubernetes_priority() {
             "v2", "v1", "v2beta2", "v2beta1", "v1beta1", "v1alpha1", "x1"
         ]
     );
+}
+
+#[test]
+fn a_file_still_open_for_writing_is_not_taken_however_long_its_writer_pauses() {
+    use std::io::Write;
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), "crd.yaml", CRD);
+    let mut loader = loader(dir.path());
+    loader.scan(true).unwrap();
+    // Another process writes two FeatureFlags into one file, and pauses after the first.
+    let path = dir.path().join("b.yaml");
+    let mut writer = std::process::Command::new("sh")
+        .args(["-c", "cat >> \"$1\"", "sh"])
+        .arg(&path)
+        .stdin(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdin = writer.stdin.take().unwrap();
+    stdin
+        .write_all(format!("{}---\n", flag("b", "a")).as_bytes())
+        .unwrap();
+    stdin.flush().unwrap();
+    let written = std::time::Instant::now();
+    while std::fs::metadata(&path).map_or(0, |m| m.len()) == 0 {
+        assert!(
+            written.elapsed() < Duration::from_secs(5),
+            "the writer wrote"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    for _ in 0..5 {
+        assert!(
+            loader.scan(false).is_none(),
+            "a file being written is not taken"
+        );
+    }
+    assert!(!loader.objects.contains_key(&key("b")));
+    stdin.write_all(flag("c", "b").as_bytes()).unwrap();
+    drop(stdin);
+    writer.wait().unwrap();
+    let catalog = settle(&mut loader).expect("taken once its writer closed it");
+    assert!(catalog.objects.contains_key(&key("b")) && catalog.objects.contains_key(&key("c")));
+}
+
+#[test]
+fn a_file_is_read_through_one_handle_within_the_limit_and_where_it_really_is() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().canonicalize().unwrap();
+    // Grown past the limit since it was listed: read no further than the limit.
+    let big = std::fs::File::create(root.join("big.yaml")).unwrap();
+    big.set_len(1 << 30).unwrap();
+    let error = read_docs(&root.join("big.yaml"), &root).unwrap_err();
+    assert!(error.contains("1073741824 bytes"), "{error}");
+    // A link swapped to point outside the directory since it was listed.
+    let outside = tempfile::tempdir().unwrap();
+    write(outside.path(), "secret.yaml", &flag("secret", "a"));
+    write(&root, "inside.yaml", &flag("a", "a"));
+    std::os::unix::fs::symlink(root.join("inside.yaml"), root.join("link.yaml")).unwrap();
+    assert!(read_docs(&root.join("link.yaml"), &root).is_ok());
+    std::fs::remove_file(root.join("link.yaml")).unwrap();
+    std::os::unix::fs::symlink(outside.path().join("secret.yaml"), root.join("link.yaml")).unwrap();
+    let error = read_docs(&root.join("link.yaml"), &root).unwrap_err();
+    assert!(error.contains("outside the directory"), "{error}");
 }

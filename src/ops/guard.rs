@@ -1,0 +1,313 @@
+//! Who may read the admin endpoints that tell what exists: `/debug/*` (every watched name,
+//! made-up ones included, and every caller's identity) and, when asked, `/metrics`. Probes
+//! (`/livez`, `/readyz`, gRPC health) stay open to all.
+//!
+//! A caller in the broker's own network namespace (its connection comes from the address it
+//! reaches: 127.0.0.1 to 127.0.0.1, the pod's IP to itself) is always let in: the pod's own
+//! containers, `kubectl port-forward` and `kubectl exec`, which the API server has authorized
+//! already. Anyone else needs `--debug-endpoints public`, or with `--admin-auth kubernetes` a
+//! bearer token the API server verifies (TokenReview) for a user it allows to `get` the path as a
+//! nonResourceURL (SubjectAccessReview), as controller-runtime's metrics filter does.
+
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::{ConnectInfo, Request, State};
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use futures::FutureExt;
+use k8s_openapi::api::authorization::v1::{
+    NonResourceAttributes, SubjectAccessReview, SubjectAccessReviewSpec,
+};
+use kube::api::{Api, PostParams};
+
+use crate::access::limits::Rates;
+use crate::access::token::{MAX_TOKEN, REVIEW_BURST, REVIEW_RATE, REVIEW_TIMEOUT, token_review};
+use crate::cache::FlightCache;
+
+/// Who may read `/debug/*` without credentials (`--debug-endpoints`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum DebugEndpoints {
+    /// Callers in the broker's own network namespace only.
+    #[default]
+    #[value(alias = "loopback")]
+    Local,
+    /// Anyone who reaches the admin port.
+    Public,
+}
+
+/// How callers from elsewhere prove they may read a guarded endpoint (`--admin-auth`,
+/// `--metrics-auth`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum AdminAuth {
+    /// No way: `/debug/*` answers by `--debug-endpoints` alone, `/metrics` answers everyone.
+    #[default]
+    None,
+    /// A bearer token for a user the API server allows to `get` the path (a nonResourceURL).
+    Kubernetes,
+}
+
+/// The admin port's guard settings.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Settings {
+    /// `--debug-endpoints`.
+    pub debug_endpoints: DebugEndpoints,
+    /// `--admin-auth`: for `/debug/*`.
+    pub admin_auth: AdminAuth,
+    /// `--metrics-auth`: for `/metrics`.
+    pub metrics_auth: AdminAuth,
+}
+
+impl Settings {
+    /// Whether any endpoint asks the API server.
+    pub fn needs_api(&self) -> bool {
+        self.admin_auth == AdminAuth::Kubernetes || self.metrics_auth == AdminAuth::Kubernetes
+    }
+}
+
+/// Both ends of a connection to the admin port.
+#[derive(Debug, Clone, Copy)]
+pub struct Ends {
+    remote: SocketAddr,
+    local: Option<SocketAddr>,
+}
+
+impl
+    axum::extract::connect_info::Connected<axum::serve::IncomingStream<'_, tokio::net::TcpListener>>
+    for Ends
+{
+    fn connect_info(stream: axum::serve::IncomingStream<'_, tokio::net::TcpListener>) -> Self {
+        Ends {
+            remote: *stream.remote_addr(),
+            local: stream.io().local_addr().ok(),
+        }
+    }
+}
+
+impl Ends {
+    /// Whether the caller is in the broker's own network namespace: its connection comes from
+    /// the address it reaches.
+    fn own(&self) -> bool {
+        let canonical = |ip: IpAddr| ip.to_canonical();
+        self.local
+            .is_some_and(|local| canonical(local.ip()) == canonical(self.remote.ip()))
+    }
+}
+
+/// What the API server said of a token and a path.
+#[derive(Debug, Clone)]
+enum Verdict {
+    Allowed,
+    /// 401: not a token the API server knows.
+    Unauthenticated(String),
+    /// 403: a user not allowed the path.
+    Forbidden(String),
+    /// 503: the API server did not answer.
+    Failed(String),
+}
+
+/// The guard of the admin port.
+pub struct Guard {
+    settings: Settings,
+    client: Option<kube::Client>,
+    verdicts: FlightCache<([u8; 32], String), Verdict>,
+    rates: Rates,
+}
+
+/// How long an allowed token and path are trusted without asking again, and how long a refusal
+/// stands.
+const ALLOWED_TTL: Duration = Duration::from_secs(60);
+const REFUSED_TTL: Duration = Duration::from_secs(10);
+
+impl Guard {
+    /// A guard with `settings`, asking the API server through `client` (needed with
+    /// `--admin-auth kubernetes` or `--metrics-auth kubernetes`).
+    pub fn new(settings: Settings, client: Option<kube::Client>) -> anyhow::Result<Arc<Guard>> {
+        anyhow::ensure!(
+            client.is_some() || !settings.needs_api(),
+            "--admin-auth kubernetes and --metrics-auth kubernetes ask the Kubernetes API server, \
+             which the manifests source does not use"
+        );
+        Ok(Arc::new(Guard {
+            settings,
+            client,
+            verdicts: FlightCache::new(10_000),
+            rates: Rates::new(REVIEW_RATE, REVIEW_BURST),
+        }))
+    }
+
+    /// Whether the caller at `ends` may read `path`: `Err` with the status and why if not.
+    async fn check(
+        &self,
+        ends: &Ends,
+        path: &str,
+        headers: &HeaderMap,
+        auth: AdminAuth,
+        open: bool,
+    ) -> Result<(), (StatusCode, String)> {
+        if open || ends.own() {
+            return Ok(());
+        }
+        let from = ends.remote.ip().to_canonical();
+        let Some(client) = self
+            .client
+            .as_ref()
+            .filter(|_| auth == AdminAuth::Kubernetes)
+        else {
+            return Err((
+                StatusCode::FORBIDDEN,
+                format!(
+                    "{path} answers only callers in the broker's own pod (this one is at {from}); \
+                     start the broker with --admin-auth kubernetes to let in users the API server \
+                     allows, or --debug-endpoints public"
+                ),
+            ));
+        };
+        let token = headers
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| {
+                v.strip_prefix("Bearer ")
+                    .or_else(|| v.strip_prefix("bearer "))
+            })
+            .map(str::trim)
+            .filter(|t| !t.is_empty() && t.len() <= MAX_TOKEN);
+        let Some(token) = token else {
+            return Err((
+                StatusCode::UNAUTHORIZED,
+                format!("{path} needs `authorization: Bearer <token>` from a caller at {from}"),
+            ));
+        };
+        let digest = ring::digest::digest(&ring::digest::SHA256, token.as_bytes());
+        let mut key = ([0u8; 32], path.to_string());
+        key.0.copy_from_slice(digest.as_ref());
+        if !self.verdicts.holds(&key) && !self.rates.take(&from.to_string()) {
+            return Err((
+                StatusCode::TOO_MANY_REQUESTS,
+                format!(
+                    "{from} has shown more new bearer tokens than the broker reviews; retry later"
+                ),
+            ));
+        }
+        let (client, token, path_owned) = (client.clone(), token.to_string(), path.to_string());
+        let verdict = self
+            .verdicts
+            .get(&key, move || {
+                async move {
+                    let verdict = review(client, &token, &path_owned).await;
+                    let ttl = match verdict {
+                        Verdict::Allowed => ALLOWED_TTL,
+                        Verdict::Unauthenticated(_) | Verdict::Forbidden(_) => REFUSED_TTL,
+                        Verdict::Failed(_) => Duration::ZERO,
+                    };
+                    (verdict, ttl)
+                }
+                .boxed()
+            })
+            .await;
+        match verdict {
+            Verdict::Allowed => Ok(()),
+            Verdict::Unauthenticated(why) => Err((StatusCode::UNAUTHORIZED, why)),
+            Verdict::Forbidden(why) => Err((StatusCode::FORBIDDEN, why)),
+            Verdict::Failed(why) => Err((StatusCode::SERVICE_UNAVAILABLE, why)),
+        }
+    }
+}
+
+/// The TokenReview of `token` (for the API server's own audiences), then the SubjectAccessReview
+/// of `get` on `path` for its user.
+async fn review(client: kube::Client, token: &str, path: &str) -> Verdict {
+    let status = match token_review(client.clone(), token, None).await {
+        Ok(status) => status,
+        Err(why) => return Verdict::Failed(why),
+    };
+    if status.authenticated != Some(true) {
+        let why = status.error.unwrap_or_else(|| "not authenticated".into());
+        return Verdict::Unauthenticated(format!(
+            "the bearer token was refused: {}",
+            crate::selector::quote(&why)
+        ));
+    }
+    let user = status.user.unwrap_or_default();
+    let name = user.username.clone().unwrap_or_default();
+    let reviews: Api<SubjectAccessReview> = Api::all(client);
+    let request = SubjectAccessReview {
+        spec: SubjectAccessReviewSpec {
+            user: user.username,
+            groups: user.groups,
+            uid: user.uid,
+            extra: user.extra,
+            non_resource_attributes: Some(NonResourceAttributes {
+                path: Some(path.to_string()),
+                verb: Some("get".into()),
+            }),
+            ..SubjectAccessReviewSpec::default()
+        },
+        ..SubjectAccessReview::default()
+    };
+    let params = PostParams::default();
+    let answer = tokio::time::timeout(REVIEW_TIMEOUT, reviews.create(&params, &request));
+    let status = match answer.await {
+        Ok(Ok(review)) => review.status.unwrap_or_default(),
+        Ok(Err(e)) => return Verdict::Failed(format!("the SubjectAccessReview failed ({e})")),
+        Err(_) => {
+            return Verdict::Failed(format!(
+                "the SubjectAccessReview did not answer within {REVIEW_TIMEOUT:?}"
+            ));
+        }
+    };
+    if status.allowed {
+        Verdict::Allowed
+    } else {
+        Verdict::Forbidden(format!(
+            "user {} may not get {path} (a nonResourceURL: grant it in a ClusterRole)",
+            crate::selector::quote(&name)
+        ))
+    }
+}
+
+/// The middleware in front of `/debug/*`.
+pub async fn debug(
+    State(guard): State<Arc<Guard>>,
+    ConnectInfo(ends): ConnectInfo<Ends>,
+    request: Request,
+    next: Next,
+) -> Response {
+    let open = guard.settings.debug_endpoints == DebugEndpoints::Public;
+    let auth = guard.settings.admin_auth;
+    guarded(&guard, ends, request, next, auth, open).await
+}
+
+/// The middleware in front of `/metrics`.
+pub async fn metrics(
+    State(guard): State<Arc<Guard>>,
+    ConnectInfo(ends): ConnectInfo<Ends>,
+    request: Request,
+    next: Next,
+) -> Response {
+    let auth = guard.settings.metrics_auth;
+    guarded(&guard, ends, request, next, auth, auth == AdminAuth::None).await
+}
+
+async fn guarded(
+    guard: &Guard,
+    ends: Ends,
+    request: Request,
+    next: Next,
+    auth: AdminAuth,
+    open: bool,
+) -> Response {
+    let path = request.uri().path().to_string();
+    match guard
+        .check(&ends, &path, request.headers(), auth, open)
+        .await
+    {
+        Ok(()) => next.run(request).await,
+        Err((status, why)) => {
+            tracing::debug!(%path, from = %ends.remote, %status, reason = %why, "an admin request refused");
+            (status, format!("{why}\n")).into_response()
+        }
+    }
+}
