@@ -514,9 +514,14 @@ TokenReviews.
         t.valid_reviews_after
     );
     let st = &a.stalled_set;
+    let later: Vec<String> = st
+        .rss_later_rounds_bytes
+        .iter()
+        .map(|(stalled, after)| format!("{} / {}", mib(*stalled), mib(*after)))
+        .collect();
     s += &format!(
         "{} stalled subscribers of a set of {} × {}: memory {} before, {} while they stall, {} after \
-they left ({} watches listed then), {} after a second round.
+they left ({} watches listed then); in later rounds, while / after: {}.
 
 ",
         st.subscribers,
@@ -526,20 +531,21 @@ they left ({} watches listed then), {} after a second round.
         mib(st.rss_stalled_bytes),
         mib(st.rss_after_bytes),
         st.watches_after,
-        mib(st.rss_after_second_round_bytes)
+        later.join(", ")
     );
     let n = &a.cycled_names;
     let rounds: Vec<String> = n.rss_after_round_bytes.iter().map(|b| mib(*b)).collect();
     s += &format!(
-        "{} made-up names, new each round: memory {} after a first round, then after each round {} \
-({:+}% first to last, {}% between the lowest and the highest).
+        "{} made-up names, new each round: memory {} after three rounds, then after each round {} \
+({:+}% first to last, {}% between the lowest and the highest, a fitted trend of {:+}%).
 
 ",
         n.names,
         mib(n.rss_after_warmup_bytes),
         rounds.join(", "),
         n.growth_percent,
-        n.spread_percent
+        n.spread_percent,
+        n.trend_percent
     );
     s
 }
