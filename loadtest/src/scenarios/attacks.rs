@@ -517,7 +517,7 @@ async fn cycled_names(run: &Run, names: usize, rounds: usize) -> anyhow::Result<
     }
     drop(holder);
     target.stop().await;
-    let warmup = rss.drain(..WARMUP).last().unwrap_or(0);
+    let warmup = rss.drain(..WARMUP).next_back().unwrap_or(0);
     let percent = |from: u64, to: u64| {
         ((to as f64 - from as f64) / (from as f64).max(1.0) * 1000.0).round() / 10.0
     };
