@@ -28,6 +28,14 @@ fn set(selector: &str) -> pb::SubscribeRequest {
     request_for(&[target])
 }
 
+/// A stream of the set of FeatureFlags in `default` that `selector` (URL-encoded) selects.
+async fn open_set(
+    client: &mut crd_broker::pb::broker_client::BrokerClient<tonic::transport::Channel>,
+    selector: &str,
+) -> tonic::Streaming<pb::SubscribeResponse> {
+    client.subscribe(set(selector)).await.unwrap().into_inner()
+}
+
 /// The next response's event and member name.
 async fn seen(s: &mut tonic::Streaming<pb::SubscribeResponse>) -> (Event, String) {
     let r = next(s).await;
@@ -51,11 +59,7 @@ async fn a_set_streams_its_members_then_synced_then_each_change() {
         h.fake.apply(labelled(name, app)).unwrap();
     }
     let mut client = h.client().await;
-    let mut s = client
-        .subscribe(set("app%3Dcheckout"))
-        .await
-        .unwrap()
-        .into_inner();
+    let mut s = open_set(&mut client, "app%3Dcheckout").await;
     assert_eq!(seen(&mut s).await, (Event::Snapshot, "a".into()));
     assert_eq!(seen(&mut s).await, (Event::Snapshot, "b".into()));
     let synced = next(&mut s).await;
@@ -97,7 +101,7 @@ async fn subscribers_of_one_set_share_one_watch_with_its_label_selector() {
     let mut streams = Vec::new();
     // The same set, written two ways.
     for selector in ["app%3Dcheckout", "app+%3D%3D+checkout"] {
-        let mut s = client.subscribe(set(selector)).await.unwrap().into_inner();
+        let mut s = open_set(&mut client, selector).await;
         assert_eq!(seen(&mut s).await, (Event::Snapshot, "a".into()));
         assert_eq!(next(&mut s).await.event(), Event::Synced);
         streams.push(s);
@@ -124,11 +128,7 @@ async fn subscribers_of_one_set_share_one_watch_with_its_label_selector() {
 async fn a_set_of_nothing_yet_is_synced_at_once_and_fills_later() {
     let h = start(Duration::ZERO).await;
     let mut client = h.client().await;
-    let mut s = client
-        .subscribe(set("app%3Dlater"))
-        .await
-        .unwrap()
-        .into_inner();
+    let mut s = open_set(&mut client, "app%3Dlater").await;
     assert_eq!(next(&mut s).await.event(), Event::Synced);
     h.fake.apply(labelled("x", "later")).unwrap();
     assert_eq!(seen(&mut s).await, (Event::Added, "x".into()));
@@ -284,11 +284,7 @@ async fn a_set_is_one_watch_of_the_registry_over_both_protocols_listed_counted_a
     let linger = Duration::from_secs(2);
     let broker = broker_for_sets(&fake, linger, 100, Default::default()).await;
     let mut native = connect(broker.addr).await;
-    let mut s = native
-        .subscribe(set("app%3Dcheckout"))
-        .await
-        .unwrap()
-        .into_inner();
+    let mut s = open_set(&mut native, "app%3Dcheckout").await;
     assert_eq!(seen(&mut s).await, (Event::Snapshot, "a".into()));
     assert_eq!(next(&mut s).await.event(), Event::Synced);
     let mut flagd = FlagSyncServiceClient::connect(format!("http://{}", broker.addr))
@@ -363,19 +359,11 @@ async fn sets_count_against_max_watches_and_only_a_cold_one_costs_a_new_watch() 
     let mut streams = Vec::new();
     // The first set costs one of the caller's two new watches; its second subscriber none.
     for _ in 0..3 {
-        let mut s = client
-            .subscribe(set("app%3Dcheckout"))
-            .await
-            .unwrap()
-            .into_inner();
+        let mut s = open_set(&mut client, "app%3Dcheckout").await;
         assert_eq!(seen(&mut s).await, (Event::Snapshot, "a".into()));
         streams.push(s);
     }
-    let mut other = client
-        .subscribe(set("app%3Dcart"))
-        .await
-        .unwrap()
-        .into_inner();
+    let mut other = open_set(&mut client, "app%3Dcart").await;
     assert_eq!(next(&mut other).await.event(), Event::Synced);
     // Two watches held, both sets: the broker is full for another set and for a resource.
     let status = client.subscribe(set("app%3Dthird")).await.unwrap_err();
@@ -387,11 +375,7 @@ async fn sets_count_against_max_watches_and_only_a_cold_one_costs_a_new_watch() 
     assert_status(&status, Code::ResourceExhausted, "--max-watches");
     // The sets already watched are still served to anyone.
     let mut warm = connect(broker.addr).await;
-    let mut s = warm
-        .subscribe(set("app%3Dcheckout"))
-        .await
-        .unwrap()
-        .into_inner();
+    let mut s = open_set(&mut warm, "app%3Dcheckout").await;
     assert_eq!(seen(&mut s).await, (Event::Snapshot, "a".into()));
     assert_eq!(broker.registry.len(), 2);
 }
@@ -406,11 +390,7 @@ async fn a_callers_share_of_the_watches_counts_its_sets() {
     let broker = broker_for_sets(&fake, Duration::from_secs(30), 100, limits).await;
     let mut client = connect(broker.addr).await;
     for app in ["one", "two"] {
-        let mut s = client
-            .subscribe(set(&format!("app%3D{app}")))
-            .await
-            .unwrap()
-            .into_inner();
+        let mut s = open_set(&mut client, &format!("app%3D{app}")).await;
         assert_eq!(next(&mut s).await.event(), Event::Synced);
         // Left at once: the watch lingers, and is still the caller's.
     }

@@ -21,10 +21,10 @@ use tonic::{Request, Response, Status};
 
 use super::frame::Encoded;
 use super::messages::{End, Messages, Next};
-use super::{Admitted, Delivery, admit, drain_of, shutting_down, source_status};
-use crate::access::{Access, Caller, Ticket};
+use super::{Delivery, admit_one, drain_of, shutting_down, source_status};
+use crate::access::{Access, Caller};
 use crate::pb::{flagd, legacy};
-use crate::registry::{Members, Registry, State, Subscription, Wire};
+use crate::registry::{Members, Registry, State, Wire};
 use crate::selector::{KindRef, Selector};
 use crate::source::{Set, Source};
 
@@ -298,29 +298,6 @@ impl<S: Source> FlagdCore<S> {
         }
     }
 
-    /// Admits `caller` to `set` and subscribes to its members.
-    async fn subscribe_set(
-        &self,
-        caller: &Caller,
-        set: &Set,
-    ) -> Result<(Set, Subscription<Members>, Arc<Ticket>), Status> {
-        let Admitted {
-            mut canonical,
-            mut subscriptions,
-            ticket,
-        } = admit(
-            &self.registry,
-            &self.access,
-            caller,
-            std::slice::from_ref(set),
-        )
-        .await?;
-        match (canonical.pop(), subscriptions.pop()) {
-            (Some(set), Some(members)) => Ok((set, members, ticket)),
-            _ => Err(Status::internal("admitted no set")),
-        }
-    }
-
     async fn sync_set(
         &self,
         request_drain: crate::conn::ConnDrain,
@@ -328,7 +305,7 @@ impl<S: Source> FlagdCore<S> {
         set: Set,
         protocol: Protocol,
     ) -> Result<BoxStream<'static, Result<Encoded, Status>>, Status> {
-        let (set, members, ticket) = self.subscribe_set(&caller, &set).await?;
+        let (set, members, ticket) = admit_one(&self.registry, &self.access, &caller, &set).await?;
         let (metrics, limit) = (self.registry.metrics().clone(), self.limit);
         let revoked = ticket.revoked();
         let active = crate::telemetry::ActiveSync::new(&metrics.subscriptions);
@@ -383,7 +360,8 @@ impl<S: Source> FlagdCore<S> {
     }
 
     async fn fetch_set(&self, caller: Caller, set: Set) -> Result<String, Status> {
-        let (set, mut members, _ticket) = self.subscribe_set(&caller, &set).await?;
+        let (set, mut members, _ticket) =
+            admit_one(&self.registry, &self.access, &caller, &set).await?;
         let name = set.to_string();
         let wait = async {
             loop {
@@ -407,28 +385,6 @@ impl<S: Source> FlagdCore<S> {
         Ok(String::from_utf8_lossy(&config.bytes).into_owned())
     }
 
-    async fn subscribe(
-        &self,
-        caller: &Caller,
-        selector: &Selector,
-    ) -> Result<(Selector, Subscription, Arc<Ticket>), Status> {
-        let Admitted {
-            mut canonical,
-            mut subscriptions,
-            ticket,
-        } = admit(
-            &self.registry,
-            &self.access,
-            caller,
-            std::slice::from_ref(selector),
-        )
-        .await?;
-        match (canonical.pop(), subscriptions.pop()) {
-            (Some(c), Some(s)) => Ok((c, s, ticket)),
-            _ => Err(Status::internal("admitted no resource")),
-        }
-    }
-
     async fn sync<T>(
         &self,
         request: &Request<T>,
@@ -445,7 +401,8 @@ impl<S: Source> FlagdCore<S> {
             }
         };
         let caller = Caller::of(request.extensions())?;
-        let (canonical, subscription, ticket) = self.subscribe(&caller, &selector).await?;
+        let (canonical, subscription, ticket) =
+            admit_one(&self.registry, &self.access, &caller, &selector).await?;
         let span = tracing::info_span!(
             "subscription",
             protocol = protocol.label(),
@@ -472,7 +429,8 @@ impl<S: Source> FlagdCore<S> {
             Target::One(selector) => selector,
             Target::Set(set) => return self.fetch_set(caller, set).await,
         };
-        let (canonical, mut subscription, _ticket) = self.subscribe(&caller, &selector).await?;
+        let (canonical, mut subscription, _ticket) =
+            admit_one(&self.registry, &self.access, &caller, &selector).await?;
         let wait = async {
             loop {
                 match subscription.current() {

@@ -164,6 +164,24 @@ pub(crate) async fn admit<S: Source, W: Wanted>(
     })
 }
 
+/// [`admit`] for one resource or set: it, canonical, its subscription, and the ticket.
+pub(crate) async fn admit_one<S: Source, W: Wanted>(
+    registry: &Registry<S>,
+    access: &Access,
+    caller: &Caller,
+    wanted: &W,
+) -> Result<(W, Subscription<W::State>, Arc<Ticket>), Status> {
+    let Admitted {
+        mut canonical,
+        mut subscriptions,
+        ticket,
+    } = admit(registry, access, caller, std::slice::from_ref(wanted)).await?;
+    match (canonical.pop(), subscriptions.pop()) {
+        (Some(w), Some(s)) => Ok((w, s, ticket)),
+        _ => Err(Status::internal("admitted nothing")),
+    }
+}
+
 /// The status a stream ends with when the broker drops it: clients reconnect on UNAVAILABLE.
 pub fn shutting_down() -> Status {
     Status::unavailable("the broker is shutting down; reconnect")
@@ -250,14 +268,7 @@ impl<S: Source> BrokerService<S> {
             namespace: probe.namespace,
             labels,
         };
-        let Admitted {
-            mut canonical,
-            mut subscriptions,
-            ticket,
-        } = admit(&self.registry, &self.access, caller, &[set]).await?;
-        let (Some(set), Some(members)) = (canonical.pop(), subscriptions.pop()) else {
-            return Err(Status::internal("admitted no set"));
-        };
+        let (set, members, ticket) = admit_one(&self.registry, &self.access, caller, &set).await?;
         let revoked = ticket.revoked();
         let ends = async move {
             let _ticket = ticket;
