@@ -318,7 +318,16 @@ fn the_quickstart_runs_as_written_in_a_clean_checkout() {
         .find(|quoted| quoted.ends_with(" -- top"))
         .expect("the Quickstart names the command for top");
 
-    let dir = PathBuf::from(ROOT).join("target/readme/checkout");
+    // Outside target/, and gone after the test: cargo tracks the sources of what it built by
+    // their paths, relative to target/ when they lie inside it. A checkout kept there left the
+    // release build of the broker tied to the copy's files, which never change, so a later
+    // `cargo build --release` in the repository took itself as fresh and kept the copy's
+    // binary, however old. A copy deleted afterwards is missing next time: that build rebuilds.
+    let checkout_dir = tempfile::Builder::new()
+        .prefix("crd-broker-readme-")
+        .tempdir()
+        .unwrap();
+    let dir = checkout_dir.path().to_path_buf();
     checkout(&dir);
     let (grpc, admin) = (free_port(), free_port());
     let admin_addr: SocketAddr = ([127, 0, 0, 1], admin).into();

@@ -404,6 +404,9 @@ pub struct SoakReport {
     rss_growth: f64,
     tasks_before: f64,
     tasks_after: f64,
+    /// TCP connections the broker held to the API server once everyone had left (its
+    /// readiness check keeps one in use).
+    api_connections_after: usize,
 }
 
 impl SoakReport {
@@ -467,7 +470,8 @@ impl SoakReport {
              - CRs without exactly one watch: {}; watches after everyone left: {}\n\
              - streams ended and reopened: {}; readiness flaps: {}\n\
              - RSS {:.1} MiB after warm-up, {:.1} MiB after the faults ({:.2}×)\n\
-             - runtime tasks {} before the subscribers, {} after they left\n",
+             - runtime tasks {} before the subscribers, {} after they left; \
+             connections to the API server after they left: {}\n",
             self.final_converge_ms,
             self.lost,
             self.watches_not_one,
@@ -479,6 +483,7 @@ impl SoakReport {
             self.rss_growth,
             self.tasks_before,
             self.tasks_after,
+            self.api_connections_after,
         ));
         md
     }
@@ -640,12 +645,23 @@ pub async fn soak(args: SoakArgs) -> anyhow::Result<()> {
     })
     .await;
     let watches_after_leaving = fake.open_watches();
-    tokio::time::sleep(Duration::from_secs(1)).await;
-    let tasks_after = scrape(admin)
-        .await
-        .get("crd_broker_runtime_tasks")
-        .copied()
-        .unwrap_or(f64::NAN);
+    // What is left must go: the connections the last relists opened close once idle (15 s,
+    // looked at as often), and so do their tasks.
+    let tasks = async || {
+        scrape(admin)
+            .await
+            .get("crd_broker_runtime_tasks")
+            .copied()
+            .unwrap_or(f64::NAN)
+    };
+    let settle = Instant::now();
+    let back = |now: f64| now <= tasks_before;
+    let mut tasks_after = tasks().await;
+    while !back(tasks_after) && settle.elapsed() < Duration::from_secs(35) {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        tasks_after = tasks().await;
+    }
+    let api_connections_after = fake.open_connections();
     broker.stop().await;
 
     let report = SoakReport {
@@ -673,6 +689,7 @@ pub async fn soak(args: SoakArgs) -> anyhow::Result<()> {
         rss_growth: rss_after as f64 / rss_warm.max(1) as f64,
         tasks_before,
         tasks_after,
+        api_connections_after,
     };
     std::fs::write(
         args.out.join("soak.json"),

@@ -39,6 +39,13 @@ const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long an HTTP/2 connection that carries nothing stays open (the first one stays).
 const IDLE_CLOSE: Duration = Duration::from_secs(60);
 
+/// HTTP/1.1 connections kept open while they carry nothing, and how long each is kept. A watch
+/// holds its connection; an idle one serves the next LIST or watch. Without a bound, hyper keeps
+/// every connection a burst of requests opened (a relist after a fault, say) for as long as
+/// the server does: each one a task, found left over after fault soaks.
+const HTTP1_IDLE_MAX: usize = 16;
+const HTTP1_IDLE_CLOSE: Duration = Duration::from_secs(15);
+
 /// How long a TCP connect and TLS handshake may take.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -89,32 +96,49 @@ pub fn client(
     config.connect_timeout = Some(CONNECT_TIMEOUT);
     // kube's own retries would hide 429s from the throttle, and outlast the request's bound.
     config.default_retry = false;
-    let stock = |config: kube::Config| -> kube::Result<(kube::Client, Pinged)> {
+    if config.proxy_url.is_some() {
+        // kube's own stack is the one that speaks to proxies (HTTP CONNECT, SOCKS5).
+        tracing::info!(
+            "the kubeconfig names a proxy-url: speaking HTTP/1.1 to the API server through it"
+        );
         let client = kube::client::ClientBuilder::try_from(config)?
             .with_layer(&count)
             .with_layer(&throttle)
             .build();
-        Ok((client, Pinged::default()))
-    };
-    if mode == ApiHttp2::Off || config.cluster_url.scheme_str() != Some("https") {
-        return stock(config);
+        return Ok((client, Pinged::default()));
     }
-    if config.proxy_url.is_some() {
-        tracing::info!(
-            "the kubeconfig names a proxy-url: speaking HTTP/1.1 to the API server through it"
-        );
-        return stock(config);
-    }
-    let pool = Pool::new(&config)?;
-    let pinged = pool.0.pinged.clone();
-    let service = ServiceBuilder::new()
+    let layers = ServiceBuilder::new()
         .layer(throttle.clone())
         .layer(count.clone())
         .layer(config.base_uri_layer())
         .option_layer(config.auth_layer()?)
-        .layer(config.extra_headers_layer()?)
-        .service(pool);
+        .layer(config.extra_headers_layer()?);
+    if mode == ApiHttp2::Off || config.cluster_url.scheme_str() != Some("https") {
+        let service = layers
+            .map_err(|e: hyper_util::client::legacy::Error| BoxError::from(e))
+            .service(http1(&config)?);
+        return Ok((
+            kube::Client::new(service, config.default_namespace),
+            Pinged::default(),
+        ));
+    }
+    let pool = Pool::new(&config)?;
+    let pinged = pool.0.pinged.clone();
+    let service = layers.service(pool);
     Ok((kube::Client::new(service, config.default_namespace), pinged))
+}
+
+/// An HTTP/1.1 client for `config`'s server (TLS as kube configures it, or none for `http`):
+/// one connection per request in flight, at most [`HTTP1_IDLE_MAX`] kept idle, each for at most
+/// [`HTTP1_IDLE_CLOSE`].
+fn http1(config: &kube::Config) -> kube::Result<Http1> {
+    Ok(
+        hyper_util::client::legacy::Builder::new(TokioExecutor::new())
+            .pool_timer(TokioTimer::new())
+            .pool_idle_timeout(HTTP1_IDLE_CLOSE)
+            .pool_max_idle_per_host(HTTP1_IDLE_MAX)
+            .build(config.rustls_https_connector_with_connector(http1_connector())?),
+    )
 }
 
 /// Connections to one API server.
@@ -302,8 +326,7 @@ impl Pool {
             tls: tokio_rustls::TlsConnector::from(Arc::new(tls)),
             lanes: Mutex::new(Vec::new()),
             opening: tokio::sync::Mutex::new(()),
-            http1: hyper_util::client::legacy::Builder::new(TokioExecutor::new())
-                .build(config.rustls_https_connector_with_connector(http1_connector())?),
+            http1: http1(config)?,
             pinged: Pinged(Arc::new(AtomicBool::new(true))),
         })))
     }

@@ -3,6 +3,7 @@
 //! then call the store.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, SystemTime};
 
 use axum::Router;
@@ -43,7 +44,7 @@ pub(crate) async fn serve(
     listener: TcpListener,
     router: Router,
     tls: Option<Tls>,
-    sent: Arc<std::sync::atomic::AtomicU64>,
+    traffic: Arc<Traffic>,
 ) {
     let mut connections = JoinSet::new();
     loop {
@@ -52,10 +53,12 @@ pub(crate) async fn serve(
                 let Ok((stream, _)) = accepted else { continue };
                 // As Go's net/http (the real API server) does for every TCP connection.
                 let _ = stream.set_nodelay(true);
-                let stream = Counted { inner: stream, sent: sent.clone() };
+                let stream = Counted { inner: stream, traffic: traffic.clone() };
                 let service = TowerToHyperService::new(router.clone());
                 let tls = tls.clone();
+                let open = Open::new(&traffic);
                 connections.spawn(async move {
+                    let _open = open;
                     let Some(tls) = tls else {
                         return serve_http1(TokioIo::new(stream), service).await;
                     };
@@ -88,10 +91,33 @@ where
         .await;
 }
 
+/// What clients' connections carried: bytes written to them, and how many are open.
+#[derive(Debug, Default)]
+pub(crate) struct Traffic {
+    pub(crate) sent: AtomicU64,
+    pub(crate) connections: AtomicUsize,
+}
+
+/// One open connection, counted in [`Traffic::connections`] until dropped.
+struct Open(Arc<Traffic>);
+
+impl Open {
+    fn new(traffic: &Arc<Traffic>) -> Open {
+        traffic.connections.fetch_add(1, Ordering::Relaxed);
+        Open(traffic.clone())
+    }
+}
+
+impl Drop for Open {
+    fn drop(&mut self) {
+        self.0.connections.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
 /// A connection that counts the bytes written to it.
 struct Counted {
     inner: tokio::net::TcpStream,
-    sent: Arc<std::sync::atomic::AtomicU64>,
+    traffic: Arc<Traffic>,
 }
 
 impl tokio::io::AsyncRead for Counted {
@@ -112,8 +138,7 @@ impl tokio::io::AsyncWrite for Counted {
     ) -> std::task::Poll<std::io::Result<usize>> {
         let written = std::pin::Pin::new(&mut self.inner).poll_write(cx, buf);
         if let std::task::Poll::Ready(Ok(n)) = &written {
-            self.sent
-                .fetch_add(*n as u64, std::sync::atomic::Ordering::Relaxed);
+            self.traffic.sent.fetch_add(*n as u64, Ordering::Relaxed);
         }
         written
     }

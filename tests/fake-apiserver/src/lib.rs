@@ -123,8 +123,8 @@ pub(crate) struct Shared {
     hangs_released: watch::Sender<u64>,
     listener: Mutex<ListenerState>,
     tls: Option<tls::Tls>,
-    /// Bytes written to clients, over every connection.
-    sent: Arc<std::sync::atomic::AtomicU64>,
+    /// Bytes written to clients and connections open.
+    traffic: Arc<http::Traffic>,
 }
 
 struct ListenerState {
@@ -163,7 +163,7 @@ impl Shared {
             listener,
             http::router(self.clone()),
             self.tls.clone(),
-            self.sent.clone(),
+            self.traffic.clone(),
         ));
         let mut l = self.listener();
         l.addr = bound;
@@ -257,7 +257,7 @@ impl FakeApiServer {
                 accept: None,
             }),
             tls,
-            sent: Arc::default(),
+            traffic: Arc::default(),
         });
         let server = FakeApiServer {
             ticker: tokio::spawn(bookmark_ticker(
@@ -304,7 +304,18 @@ impl FakeApiServer {
 
     /// Bytes written to clients so far, over every connection (TLS and HTTP/2 framing included).
     pub fn bytes_sent(&self) -> u64 {
-        self.shared.sent.load(std::sync::atomic::Ordering::Relaxed)
+        self.shared
+            .traffic
+            .sent
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// TCP connections clients hold open to it now (idle ones in a client's pool included).
+    pub fn open_connections(&self) -> usize {
+        self.shared
+            .traffic
+            .connections
+            .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// The CA that signed the server's certificate (PEM), with TLS.
