@@ -209,7 +209,7 @@ async fn a_role_that_names_the_objects_keeps_a_watch_per_name() {
     eventually("the namespace watch was tried", WAIT, async || {
         fake.requests()
             .iter()
-            .any(|r| r.verb == "list" && r.path == NS_PATH && r.param("fieldSelector").is_none())
+            .any(|r| r.path == NS_PATH && r.param("fieldSelector").is_none() && lists(r))
     })
     .await;
     tokio::time::sleep(Duration::from_millis(300)).await;
@@ -232,11 +232,12 @@ async fn a_namespace_where_few_objects_are_watched_keeps_a_watch_per_name() {
     let broker = broker(&fake).await;
     let mut client = connect(broker.addr).await;
     let mut streams = snapshots(&mut client, (0..=THRESHOLD).map(name)).await;
-    // Five names of forty objects: the namespace watch lists, finds too few watched, and ends.
+    // Five names of forty objects: the namespace watch lists (streaming), finds too few
+    // watched, and ends.
     eventually("the namespace watch was tried", WAIT, async || {
         fake.requests()
             .iter()
-            .any(|r| r.verb == "list" && r.path == NS_PATH && r.param("fieldSelector").is_none())
+            .any(|r| r.path == NS_PATH && r.param("fieldSelector").is_none() && lists(r))
     })
     .await;
     settle(&fake, (0, THRESHOLD + 1)).await;
@@ -254,6 +255,11 @@ async fn a_namespace_where_few_objects_are_watched_keeps_a_watch_per_name() {
     next(&mut s).await;
     streams.push(s);
     settle(&fake, (1, 0)).await;
+}
+
+/// Whether `r` asked for a collection's objects: a LIST, or a streaming list.
+fn lists(r: &fake_apiserver::faults::RequestRecord) -> bool {
+    r.verb == "list" || r.param("sendInitialEvents") == Some("true")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -8,7 +8,7 @@ mod support;
 use std::time::Duration;
 
 use crd_broker::pb::subscribe_response::Event;
-use kube::api::{Api, DeleteParams, DynamicObject, Patch, PatchParams, PostParams};
+use kube::api::{Api, DeleteParams, DynamicObject, Patch, PatchParams};
 use kube::core::ApiResource;
 use serde_json::{Value, json};
 use support::control_plane::*;
@@ -286,13 +286,7 @@ async fn rights_revoked_while_serving_are_reported_and_recovered_from_when_resto
     assert_eq!(next(&mut open).await.event(), Event::Snapshot);
 
     // The chart's RoleBinding removed: the broker may no longer list or watch widgets here.
-    let bindings: Api<k8s_openapi::api::rbac::v1::RoleBinding> =
-        Api::namespaced(plane.admin().await, &ns);
-    let binding = bindings.get(&ns).await.unwrap();
-    bindings
-        .delete(&ns, &DeleteParams::default())
-        .await
-        .unwrap();
+    let revoked = plane.revoke(&ns, &ns).await;
     // Like an outage of the API server: ready, serving what it knows, for --max-staleness, and
     // saying why; then not ready.
     eventually(
@@ -330,13 +324,7 @@ async fn rights_revoked_while_serving_are_reported_and_recovered_from_when_resto
     );
 
     // Restored: ready again, and the refused resource is served.
-    let mut restored = binding.clone();
-    restored.metadata.resource_version = None;
-    restored.metadata.uid = None;
-    bindings
-        .create(&PostParams::default(), &restored)
-        .await
-        .unwrap();
+    plane.restore(revoked).await;
     eventually("ready again", WAIT, async || {
         matches!(broker.readiness().await, Some((200, _)))
     })
@@ -459,38 +447,7 @@ async fn priority_and_fairness_rejecting_the_broker_is_waited_out_as_the_server_
     // The broker's ServiceAccount gets a priority level of its own with the fewest seats there
     // are (one share of the server's concurrency), which rejects what does not fit.
     let starved = format!("{ns}-starved");
-    plane
-        .apply(&[
-            json!({
-                "apiVersion": "flowcontrol.apiserver.k8s.io/v1",
-                "kind": "PriorityLevelConfiguration",
-                "metadata": { "name": starved },
-                "spec": { "type": "Limited", "limited": {
-                    "nominalConcurrencyShares": 1,
-                    "lendablePercent": 0,
-                    "borrowingLimitPercent": 0,
-                    "limitResponse": { "type": "Reject" },
-                } },
-            }),
-            json!({
-                "apiVersion": "flowcontrol.apiserver.k8s.io/v1",
-                "kind": "FlowSchema",
-                "metadata": { "name": starved },
-                "spec": {
-                    "priorityLevelConfiguration": { "name": starved },
-                    "matchingPrecedence": 500,
-                    "distinguisherMethod": { "type": "ByUser" },
-                    "rules": [{
-                        "subjects": [{ "kind": "ServiceAccount",
-                            "serviceAccount": { "name": broker.namespace, "namespace": ns } }],
-                        "resourceRules": [{ "verbs": ["*"], "apiGroups": ["*"],
-                            "resources": ["*"], "clusterScope": true, "namespaces": ["*"] }],
-                        "nonResourceRules": [{ "verbs": ["*"], "nonResourceURLs": ["*"] }],
-                    }],
-                },
-            }),
-        ])
-        .await;
+    plane.prioritize(&starved, &ns, &broker.namespace, 1).await;
 
     // Forty new resources at once: the server rejects most of the broker's requests, saying
     // when to come back; the broker holds every request that long, and serves all forty.
@@ -511,11 +468,7 @@ async fn priority_and_fairness_rejecting_the_broker_is_waited_out_as_the_server_
         assert_eq!(first.event(), Event::Snapshot);
     }
     let served = asked.elapsed();
-    let refused = total(
-        &plane.metrics().await,
-        "apiserver_flowcontrol_rejected_requests_total",
-        &[("flow_schema", starved.as_str())],
-    );
+    let refused = plane.rejected(&starved).await;
     let ours = metrics(broker.admin).await;
     let held = get(
         &ours,
@@ -533,18 +486,7 @@ async fn priority_and_fairness_rejecting_the_broker_is_waited_out_as_the_server_
     assert!(too_many > 0.0 && held > 0.0);
 
     // The schema removed: a change reaches the subscriber at once.
-    let schemas: Api<DynamicObject> = Api::all_with(
-        plane.admin().await,
-        &ApiResource::from_gvk(&kube::core::GroupVersionKind::gvk(
-            "flowcontrol.apiserver.k8s.io",
-            "v1",
-            "FlowSchema",
-        )),
-    );
-    schemas
-        .delete(&starved, &DeleteParams::default())
-        .await
-        .unwrap();
+    plane.unprioritize(&starved).await;
     let api: Api<DynamicObject> = Api::namespaced_with(plane.admin().await, &ns, &resource);
     api.patch(
         &names[0],

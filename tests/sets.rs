@@ -397,3 +397,61 @@ async fn a_callers_share_of_the_watches_counts_its_sets() {
     let status = client.subscribe(set("app%3Dthree")).await.unwrap_err();
     assert_status(&status, Code::ResourceExhausted, "--max-watches-per-caller");
 }
+
+/// The requests the broker made for the FeatureFlags of `default`: (verb, sendInitialEvents).
+fn collection_requests(fake: &fake_apiserver::FakeApiServer) -> Vec<(String, bool)> {
+    fake.requests()
+        .iter()
+        .filter(|r| r.path == NS_PATH)
+        .map(|r| (r.verb.clone(), r.param("sendInitialEvents") == Some("true")))
+        .collect()
+}
+
+#[tokio::test]
+async fn a_set_starts_with_a_streaming_list_and_falls_back_to_a_list_where_refused() {
+    let h = start(Duration::ZERO).await;
+    for (name, app) in [("a", "checkout"), ("b", "checkout"), ("c", "cart")] {
+        h.fake.apply(labelled(name, app)).unwrap();
+    }
+    let mut client = h.client().await;
+    let mut s = open_set(&mut client, "app%3Dcheckout").await;
+    assert_eq!(seen(&mut s).await, (Event::Snapshot, "a".into()));
+    assert_eq!(seen(&mut s).await, (Event::Snapshot, "b".into()));
+    assert_eq!(next(&mut s).await.event(), Event::Synced);
+    // One watch that sent the members first, and no LIST.
+    assert_eq!(collection_requests(&h.fake), [("watch".to_string(), true)]);
+    // It goes on as a watch.
+    h.fake.apply(labelled("d", "checkout")).unwrap();
+    assert_eq!(seen(&mut s).await, (Event::Added, "d".into()));
+    drop(s);
+    eventually("the set's watch ends", WAIT, async || {
+        h.fake.open_watches() == 0
+    })
+    .await;
+
+    // A server without the feature refuses the parameter: the broker lists from then on.
+    h.fake.set_watch_list_enabled(false);
+    h.fake.clear_requests();
+    let mut s = open_set(&mut client, "app%3Dcart").await;
+    assert_eq!(seen(&mut s).await, (Event::Snapshot, "c".into()));
+    assert_eq!(next(&mut s).await.event(), Event::Synced);
+    let asked = collection_requests(&h.fake);
+    assert_eq!(
+        asked,
+        [
+            ("watch".to_string(), true),
+            ("list".to_string(), false),
+            ("watch".to_string(), false)
+        ]
+    );
+    h.fake.set_watch_list_enabled(true);
+    h.fake.clear_requests();
+    let mut other = open_set(&mut client, "app%3Dcheckout").await;
+    assert_eq!(seen(&mut other).await.0, Event::Snapshot);
+    let asked = collection_requests(&h.fake);
+    assert_eq!(
+        asked.first().map(|r| r.0.as_str()),
+        Some("list"),
+        "{asked:?}"
+    );
+}

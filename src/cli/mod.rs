@@ -15,7 +15,7 @@ use crate::access::{self, IdentityList, limits};
 use crate::broker::{self, Listeners, Running};
 use crate::selector::KindRef;
 use crate::source::Source;
-use crate::source::kubernetes::{ApiHttp2, Kubernetes};
+use crate::source::kubernetes::{ApiHttp2, Kubernetes, StreamingLists};
 use crate::source::manifests::Manifests;
 use crate::telemetry::{self, LogFormat};
 use crate::transport::{
@@ -290,6 +290,11 @@ pub struct Serve {
     /// watches; `off` keeps kube's HTTP/1.1 stack, one connection per watch.
     #[arg(long, env = "CRD_BROKER_API_HTTP2", value_enum, default_value_t = ApiHttp2::Auto)]
     pub api_http2: ApiHttp2,
+    /// How a namespace watch or a set takes its objects: `auto` by a streaming list (a watch
+    /// that first sends every object, KEP-3157) while the API server takes them, else by LIST
+    /// as `off` always does.
+    #[arg(long, env = "CRD_BROKER_API_STREAMING_LISTS", value_enum, default_value_t = StreamingLists::Auto)]
+    pub api_streaming_lists: StreamingLists,
     /// The broker's own limit on its requests to the API server, per second on average (as
     /// client-go's QPS); `0`: none of its own, the API server's Priority and Fairness paces it.
     /// The API server's `Retry-After` (with a 429 or 503) holds every request either way.
@@ -636,7 +641,8 @@ impl Serve {
                     .await
                     .context("configuring the Kubernetes client (KUBECONFIG, else in-cluster)")?
                     .confined_to(self.namespaces.clone())
-                    .with_namespace_watch_threshold(self.namespace_watch_threshold);
+                    .with_namespace_watch_threshold(self.namespace_watch_threshold)
+                    .with_streaming_lists(self.api_streaming_lists);
                 config.access.api = Some(source.client().clone());
                 run_until_signal(listeners, source, config).await
             }

@@ -58,6 +58,10 @@ pub struct ApiRequests {
     pub seconds: Family<ApiVerbLabels, Histogram>,
     /// Seconds requests were held back before they went, by reason.
     pub held: Family<ApiHeldLabels, Counter<f64, AtomicU64>>,
+    /// Watches and LIST pages the API server answered 410 Gone (their resourceVersion or
+    /// continue token compacted away), as a response or as an ERROR event in the stream; each
+    /// one is followed by a fresh LIST.
+    pub expired: Counter,
 }
 
 impl Default for ApiRequests {
@@ -66,6 +70,7 @@ impl Default for ApiRequests {
             requests: Family::default(),
             seconds: Family::new_with_constructor(latency_histogram),
             held: Family::default(),
+            expired: Counter::default(),
         }
     }
 }
@@ -89,6 +94,12 @@ impl ApiRequests {
              they went, by reason: rate (--api-qps), retry_after (the API server's Retry-After) or \
              concurrency (fewer at once after a 429)",
             self.held.clone(),
+        );
+        registry.register(
+            "api_expired",
+            "Watches and LIST pages the Kubernetes API server answered 410 Gone (compacted \
+             away), as a response or in the watch stream; each is followed by a fresh LIST",
+            self.expired.clone(),
         );
     }
 

@@ -39,6 +39,11 @@ pub fn control_plane() -> &'static ControlPlane {
 /// Starts a control plane on `address` (`127.0.0.1`, `::1`) in a directory of its own under
 /// `target/control-plane/`, removing the directories of earlier test binaries that are gone.
 pub fn start(address: &str) -> ControlPlane {
+    start_with(address, &[])
+}
+
+/// [`start`], kube-apiserver run with `flags` besides the script's own.
+pub fn start_with(address: &str, flags: &[&str]) -> ControlPlane {
     let base = Path::new(ROOT).join("target/control-plane");
     std::fs::create_dir_all(&base).unwrap();
     for entry in std::fs::read_dir(&base).unwrap().flatten() {
@@ -59,6 +64,7 @@ pub fn start(address: &str) -> ControlPlane {
         .arg(&dir)
         .args(["--address", address])
         .args(["--watch-pid", &std::process::id().to_string()])
+        .env("CONTROL_PLANE_APISERVER_FLAGS", flags.join(" "))
         .output()
         .expect("scripts/control-plane runs");
     assert!(
@@ -77,7 +83,87 @@ pub fn start(address: &str) -> ControlPlane {
     }
 }
 
+impl Drop for ControlPlane {
+    /// Stops the plane (a test's own; the binary's shared one lives as long as the binary).
+    fn drop(&mut self) {
+        let _ = Command::new(Path::new(ROOT).join("scripts/control-plane"))
+            .args(["down", "--dir"])
+            .arg(&self.dir)
+            .output();
+    }
+}
+
+/// A process of the control plane.
+#[derive(Debug, Clone, Copy)]
+pub enum Component {
+    Etcd,
+    ApiServer,
+}
+
+impl Component {
+    fn name(self) -> &'static str {
+        match self {
+            Component::Etcd => "etcd",
+            Component::ApiServer => "kube-apiserver",
+        }
+    }
+}
+
 impl ControlPlane {
+    /// Ends `component` with `signal` (`KILL`, `TERM`) and waits until it has exited
+    /// (`scripts/control-plane stop`).
+    pub async fn stop(&self, component: Component, signal: &str) {
+        self.script(&["stop", component.name(), "--signal", signal])
+            .await;
+    }
+
+    /// Starts `component` again as it first ran, on its ports and data, and waits until it
+    /// answers: etcd its health, kube-apiserver its `/readyz` (`scripts/control-plane start`).
+    pub async fn start_again(&self, component: Component) {
+        self.script(&["start", component.name()]).await;
+    }
+
+    async fn script(&self, args: &[&str]) {
+        let mut command =
+            tokio::process::Command::new(Path::new(ROOT).join("scripts/control-plane"));
+        command.args(args).arg("--dir").arg(&self.dir);
+        let out = command.output().await.expect("scripts/control-plane runs");
+        assert!(
+            out.status.success(),
+            "scripts/control-plane {}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
+    /// Compacts etcd's history up to its current revision, through its own API: every older
+    /// revision is gone, and a watch resumed from one is told so (410 Gone).
+    pub async fn compact_etcd(&self) -> u64 {
+        let url = std::fs::read_to_string(self.dir.join("etcd-url")).unwrap();
+        let url = url.trim();
+        let etcd = |path: &str, body: Value| {
+            let out = Command::new("curl")
+                .args(["-fsS", "-X", "POST", "-d", &body.to_string()])
+                .arg(format!("{url}{path}"))
+                .output()
+                .expect("curl runs");
+            assert!(out.status.success(), "etcd {path}: {out:?}");
+            serde_json::from_slice::<Value>(&out.stdout).unwrap()
+        };
+        // Any read answers with the store's revision in its header.
+        let head = etcd("/v3/kv/range", json!({ "key": base64(b"/") }));
+        let revision: u64 = head["header"]["revision"]
+            .as_str()
+            .unwrap()
+            .parse()
+            .unwrap();
+        etcd(
+            "/v3/kv/compaction",
+            json!({ "revision": revision.to_string(), "physical": true }),
+        );
+        revision
+    }
+
     /// A client with the admin's rights. A new one each time: a kube client's buffer runs as a
     /// task of the runtime that made it, and each test has a runtime of its own, while the
     /// control plane is shared by every test of the binary.
@@ -454,6 +540,104 @@ impl ControlPlane {
     pub async fn requests(&self, group: &str, verb: &str) -> f64 {
         let labels = [("verb", verb), ("group", group), ("resource", "widgets")];
         super::total(&self.metrics().await, "apiserver_request_total", &labels)
+    }
+}
+
+impl ControlPlane {
+    /// Gives every request of the ServiceAccount `account` of `namespace` a Priority and
+    /// Fairness level of its own, `name`, with `shares` of the server's concurrency (0: no seat
+    /// of its own; the level still runs one request when it runs none), which rejects what it
+    /// cannot seat (429 with Retry-After). [`ControlPlane::unprioritize`] ends it.
+    pub async fn prioritize(&self, name: &str, namespace: &str, account: &str, shares: u32) {
+        self.apply(&[
+            json!({
+                "apiVersion": "flowcontrol.apiserver.k8s.io/v1",
+                "kind": "PriorityLevelConfiguration",
+                "metadata": { "name": name },
+                "spec": { "type": "Limited", "limited": {
+                    "nominalConcurrencyShares": shares,
+                    "lendablePercent": 0,
+                    "borrowingLimitPercent": 0,
+                    "limitResponse": { "type": "Reject" },
+                } },
+            }),
+            json!({
+                "apiVersion": "flowcontrol.apiserver.k8s.io/v1",
+                "kind": "FlowSchema",
+                "metadata": { "name": name },
+                "spec": {
+                    "priorityLevelConfiguration": { "name": name },
+                    "matchingPrecedence": 500,
+                    "distinguisherMethod": { "type": "ByUser" },
+                    "rules": [{
+                        "subjects": [{ "kind": "ServiceAccount",
+                            "serviceAccount": { "name": account, "namespace": namespace } }],
+                        "resourceRules": [{ "verbs": ["*"], "apiGroups": ["*"],
+                            "resources": ["*"], "clusterScope": true, "namespaces": ["*"] }],
+                        "nonResourceRules": [{ "verbs": ["*"], "nonResourceURLs": ["*"] }],
+                    }],
+                },
+            }),
+        ])
+        .await;
+    }
+
+    /// Removes the FlowSchema `name` of [`ControlPlane::prioritize`]: the account's requests go
+    /// back to the levels they had.
+    pub async fn unprioritize(&self, name: &str) {
+        let schemas: Api<DynamicObject> = Api::all_with(
+            self.admin().await,
+            &ApiResource::from_gvk(&GroupVersionKind::gvk(
+                "flowcontrol.apiserver.k8s.io",
+                "v1",
+                "FlowSchema",
+            )),
+        );
+        schemas
+            .delete(name, &kube::api::DeleteParams::default())
+            .await
+            .unwrap();
+    }
+
+    /// Requests of the FlowSchema `name` the server rejected so far.
+    pub async fn rejected(&self, name: &str) -> f64 {
+        super::total(
+            &self.metrics().await,
+            "apiserver_flowcontrol_rejected_requests_total",
+            &[("flow_schema", name)],
+        )
+    }
+}
+
+/// A RoleBinding taken away by [`ControlPlane::revoke`], to give back.
+pub struct Revoked(k8s_openapi::api::rbac::v1::RoleBinding);
+
+impl ControlPlane {
+    /// Deletes the RoleBinding `name` of `namespace` (the chart's, named after the release,
+    /// grants the broker its kinds there).
+    pub async fn revoke(&self, namespace: &str, name: &str) -> Revoked {
+        let bindings: Api<k8s_openapi::api::rbac::v1::RoleBinding> =
+            Api::namespaced(self.admin().await, namespace);
+        let binding = bindings.get(name).await.unwrap();
+        bindings
+            .delete(name, &kube::api::DeleteParams::default())
+            .await
+            .unwrap();
+        Revoked(binding)
+    }
+
+    /// Creates the revoked RoleBinding again.
+    pub async fn restore(&self, revoked: Revoked) {
+        let mut binding = revoked.0;
+        let namespace = binding.metadata.namespace.clone().unwrap();
+        binding.metadata.resource_version = None;
+        binding.metadata.uid = None;
+        let bindings: Api<k8s_openapi::api::rbac::v1::RoleBinding> =
+            Api::namespaced(self.admin().await, &namespace);
+        bindings
+            .create(&PostParams::default(), &binding)
+            .await
+            .unwrap();
     }
 }
 

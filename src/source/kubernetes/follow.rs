@@ -66,7 +66,36 @@ const SHORT_WATCH: Duration = Duration::from_secs(1);
 pub(super) struct Upstream {
     pub recovery: Arc<Recovery>,
     pub pinged: Pinged,
+    /// Counts the 410s that send a watch back to a LIST.
+    pub expired: prometheus_client::metrics::counter::Counter,
+    /// Whether collections are listed by streaming.
+    pub streaming: Streaming,
 }
+
+/// Whether the API server is asked for streaming lists: as configured, until it refuses one.
+#[derive(Clone, Debug)]
+pub(super) struct Streaming(Arc<std::sync::atomic::AtomicBool>);
+
+impl Streaming {
+    pub(super) fn new(lists: super::StreamingLists) -> Streaming {
+        let on = lists == super::StreamingLists::Auto;
+        Streaming(Arc::new(std::sync::atomic::AtomicBool::new(on)))
+    }
+
+    fn on(&self) -> bool {
+        self.0.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// The API server does not stream lists: LISTs from now on.
+    fn refused(&self, why: &str) {
+        if self.0.swap(false, std::sync::atomic::Ordering::Relaxed) {
+            tracing::info!(why, "the API server does not stream lists: listing instead");
+        }
+    }
+}
+
+/// The annotation of the bookmark that ends a streaming list's objects.
+const INITIAL_EVENTS_END: &str = "k8s.io/initial-events-end";
 
 /// What a LIST+WATCH of a collection (one name, or a namespace) saw.
 #[derive(Debug, Clone)]
@@ -110,6 +139,8 @@ pub(super) fn events(
         watch = watch.labels(labels);
     }
     let state = Follow {
+        // One object is listed (from the watch cache, cheaply); collections are streamed.
+        streamable: field.is_none(),
         list,
         watch,
         api,
@@ -204,6 +235,8 @@ enum Phase {
 }
 
 struct Follow {
+    /// Whether it starts with a streaming list when the server takes them.
+    streamable: bool,
     api: Api<DynamicObject>,
     list: ListParams,
     watch: WatchParams,
@@ -240,6 +273,11 @@ impl Follow {
                 }
             }
             match std::mem::replace(&mut self.phase, Phase::List) {
+                Phase::List if self.streamable && self.upstream.streaming.on() => {
+                    if let Some(event) = self.stream_list().await {
+                        return Some((event, self));
+                    }
+                }
                 Phase::List => match list_all(&self.api, &self.list).await {
                     Ok((rv, items)) => {
                         self.backoff.working();
@@ -251,7 +289,12 @@ impl Follow {
                             .collect();
                         return Some((Event::Listed { rv, objects }, self));
                     }
-                    Err(e) => return Some((self.fail(e, Phase::List), self)),
+                    Err(e) => {
+                        if matches!(&e, kube::Error::Api(s) if s.code == 410) {
+                            self.upstream.expired.inc();
+                        }
+                        return Some((self.fail(e, Phase::List), self));
+                    }
                 },
                 Phase::Watch(rv) => {
                     let (timeout, silence) = pace(self.upstream.pinged.now());
@@ -347,10 +390,82 @@ impl Follow {
         }
     }
 
+    /// A streaming list: a watch from now that first sends every object, then a bookmark
+    /// marking the end of them, and goes on as a watch. The objects, as a LIST's, and the watch
+    /// streaming on; `None` to go on from the phase it set (a LIST, when the server refused).
+    async fn stream_list(&mut self) -> Option<Event> {
+        let (timeout, silence) = pace(self.upstream.pinged.now());
+        let params = self.watch.clone().initial_events().timeout(timeout);
+        let mut events = match self.api.watch(&params, "").await {
+            Ok(events) => events.boxed(),
+            // A server without the WatchList feature says the parameter is invalid.
+            Err(kube::Error::Api(s)) if s.code == 400 || s.code == 422 => {
+                self.upstream.streaming.refused(&s.message);
+                return None;
+            }
+            Err(e) => return Some(self.fail(e, Phase::List)),
+        };
+        let mut objects = std::collections::BTreeMap::new();
+        loop {
+            let event = match tokio::time::timeout(silence, events.next()).await {
+                Err(_) => {
+                    let silent = format!("nothing on the streaming list for {silence:?}");
+                    return Some(self.fail(kube::Error::Service(silent.into()), Phase::List));
+                }
+                Ok(None) => {
+                    let ended = "the API server ended the streaming list before its last object";
+                    return Some(self.fail(kube::Error::Service(ended.into()), Phase::List));
+                }
+                Ok(Some(Err(e))) => return Some(self.fail(e, Phase::List)),
+                Ok(Some(Ok(event))) => event,
+            };
+            match event {
+                WatchEvent::Added(obj) | WatchEvent::Modified(obj) => {
+                    objects.insert(self.key_of(&obj), to_object(&obj));
+                }
+                WatchEvent::Deleted(obj) => {
+                    objects.remove(&self.key_of(&obj));
+                }
+                WatchEvent::Bookmark(b) => {
+                    if b.metadata
+                        .annotations
+                        .get(INITIAL_EVENTS_END)
+                        .map(String::as_str)
+                        != Some("true")
+                    {
+                        // A server that knows no streaming lists sends its objects as a legacy
+                        // watch does, and bookmarks that end nothing.
+                        self.upstream
+                            .streaming
+                            .refused("a bookmark without the initial-events-end annotation");
+                        return None;
+                    }
+                    let rv = b.metadata.resource_version;
+                    self.backoff.working();
+                    self.failing = false;
+                    self.phase = Phase::Streaming {
+                        rv: rv.clone(),
+                        events,
+                        started: Instant::now(),
+                        silence,
+                    };
+                    let objects = objects.into_iter().collect();
+                    return Some(Event::Listed { rv, objects });
+                }
+                WatchEvent::Error(s) if s.code == 410 => {
+                    self.relist();
+                    return None;
+                }
+                WatchEvent::Error(s) => return Some(self.fail(kube::Error::Api(s), Phase::List)),
+            }
+        }
+    }
+
     /// The API server compacted past the version the watch would resume from (410): start over
     /// from a fresh LIST, after the backoff, so that a server answering 410 again and again is
     /// not listed in a tight loop (the backoff restarts once a watch holds).
     fn relist(&mut self) {
+        self.upstream.expired.inc();
         self.phase = Phase::List;
         self.wait = Some((self.backoff.failed(), false));
     }

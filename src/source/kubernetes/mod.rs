@@ -50,6 +50,19 @@ const DISCOVERY_TIMEOUT: Duration = Duration::from_secs(10);
 /// watch forever (kube's default is no read timeout).
 pub const READ_TIMEOUT: Duration = Duration::from_secs(120);
 
+/// How the broker takes the objects of a namespace or a set, when it starts watching them and
+/// when it must start over.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum StreamingLists {
+    /// A streaming list (a watch with `sendInitialEvents=true`, the objects one event at a time
+    /// up to the `k8s.io/initial-events-end` bookmark) while the API server takes it; a LIST
+    /// and a WATCH once it refuses, as client-go does.
+    #[default]
+    Auto,
+    /// A LIST in pages, then a WATCH.
+    Off,
+}
+
 /// The API groups the server serves: each one's versions, the preferred first.
 #[derive(Debug)]
 struct Groups {
@@ -86,6 +99,8 @@ pub struct Kubernetes {
     granularity: Arc<granularity::Granularity>,
     /// What the client counts of its requests (nothing, for a client made elsewhere).
     api_requests: crate::telemetry::ApiRequests,
+    /// Whether collections are listed by streaming (while the API server takes it).
+    streaming: follow::Streaming,
 }
 
 /// A discovery answer with how long it may be served: `worked` when it worked, briefly when it
@@ -121,7 +136,14 @@ impl Kubernetes {
             discovery_ttl: DISCOVERY_TTL,
             granularity: granularity::Granularity::new(DEFAULT_NAMESPACE_WATCH_THRESHOLD),
             api_requests: crate::telemetry::ApiRequests::default(),
+            streaming: follow::Streaming::new(StreamingLists::Auto),
         }
+    }
+
+    /// As it is, listing namespaces and sets as `lists` says.
+    pub fn with_streaming_lists(mut self, lists: StreamingLists) -> Self {
+        self.streaming = follow::Streaming::new(lists);
+        self
     }
 
     /// As it is, replacing the watches of more than `threshold` names of one kind in one
@@ -204,6 +226,8 @@ impl Kubernetes {
         follow::Upstream {
             recovery: self.recovery.clone(),
             pinged: self.pinged.clone(),
+            expired: self.api_requests.expired.clone(),
+            streaming: self.streaming.clone(),
         }
     }
 
