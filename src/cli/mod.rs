@@ -287,7 +287,7 @@ pub struct Serve {
     pub max_staleness: Duration,
     /// Whether the broker speaks HTTP/2 to the API server: `auto` does when the API server
     /// offers it over TLS, sharing each connection among up to its stream limit (100) of
-    /// watches; `off` keeps kube's HTTP/1.1 stack, one connection per watch.
+    /// watches; `off` speaks HTTP/1.1, one connection per watch.
     #[arg(long, env = "CRD_BROKER_API_HTTP2", value_enum, default_value_t = ApiHttp2::Auto)]
     pub api_http2: ApiHttp2,
     /// How a namespace watch or a set takes its objects: `auto` by a streaming list (a watch

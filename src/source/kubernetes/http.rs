@@ -1,4 +1,4 @@
-//! The broker's own HTTP stack to the API server, for `--api-http2 auto` (ADR 0014).
+//! The broker's own HTTP stack to the API server (ADR 0014).
 //!
 //! kube-client speaks HTTP/1.1 only, so each of its watches holds a TCP (and TLS) connection of
 //! its own. This stack keeps kube's TLS configuration, authentication, base-URI and
@@ -6,9 +6,11 @@
 //! TLS handshake agrees on `h2` (ALPN) carries as many requests at once as its peer's
 //! `SETTINGS_MAX_CONCURRENT_STREAMS` allows (100 on the kube-apiserver); a request that finds
 //! every connection full opens the next one, since hyper never does that by itself. A server
-//! that offers no `h2` is spoken to over kube's own HTTP/1.1 client, one connection per
-//! request in flight. Dead HTTP/2 connections are found by keepalive pings; nothing pings an
-//! HTTP/1.1 connection, so [`Pinged`] tells the watches on it to find a dead one themselves.
+//! that offers no `h2`, one in the clear, and `--api-http2 off` are spoken to over HTTP/1.1, one
+//! connection per request in flight, with a bounded number kept idle for a short while (kube's
+//! own client keeps every one it opened). Dead HTTP/2 connections are found by keepalive pings;
+//! nothing pings an HTTP/1.1 connection, so [`Pinged`] tells the watches on it to find a dead
+//! one themselves. Only a kubeconfig's `proxy-url` goes through kube's own stack.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -75,13 +77,13 @@ pub enum ApiHttp2 {
     /// HTTP/2 when the API server offers it over TLS (ALPN), else HTTP/1.1.
     #[default]
     Auto,
-    /// kube's own HTTP/1.1 stack: one connection per concurrent request.
+    /// HTTP/1.1: one connection per concurrent request.
     Off,
 }
 
 /// A kube client for `config`: over this module's pool for an `https` API server with
-/// `Auto`, else kube's own stack (there is no cleartext HTTP/2 to the API server, and kube's
-/// stack is the one that goes through a `proxy-url`).
+/// `Auto`, else over HTTP/1.1 (there is no cleartext HTTP/2 to the API server); through a
+/// `proxy-url`, kube's own stack, the one that speaks to proxies.
 /// Its requests are paced by `rate` and the API server's `Retry-After`, and bounded
 /// ([`super::throttle`]); counted in `requests`; whether its connections are pinged is in the
 /// [`Pinged`] returned with it.
@@ -158,7 +160,7 @@ struct Shared {
     lanes: Mutex<Vec<Lane>>,
     /// Held while a connection is being opened, so that a burst of requests opens one.
     opening: tokio::sync::Mutex<()>,
-    /// kube's own HTTP/1.1 client, for a server that offers no HTTP/2.
+    /// The HTTP/1.1 client, for a server that offers no HTTP/2.
     http1: Http1,
     /// Turned off once a server answered the TLS handshake without `h2`.
     pinged: Pinged,

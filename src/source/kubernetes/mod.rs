@@ -45,9 +45,11 @@ const DISCOVERY_CAPACITY: usize = 1024;
 /// The longest a discovery request may take (askers share it, so it must not hang them).
 const DISCOVERY_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// Longer than the ~60 s between the API server's bookmarks on a quiet watch, so idle watches
-/// are not cut, but bounded, so a LIST that never answers is retried instead of hanging the
-/// watch forever (kube's default is no read timeout).
+/// The read timeout of kube's own stack (used through a `proxy-url`): longer than the ~60 s
+/// between the API server's bookmarks on a quiet watch, so idle watches are not cut, but
+/// bounded, so a LIST that never answers is retried instead of hanging the watch forever
+/// (kube's default is no read timeout). The broker's own stack bounds each request's answer
+/// and each watch's silence instead.
 pub const READ_TIMEOUT: Duration = Duration::from_secs(120);
 
 /// How the broker takes the objects of a namespace or a set, when it starts watching them and
