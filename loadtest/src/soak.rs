@@ -518,7 +518,7 @@ pub async fn soak(args: SoakArgs) -> anyhow::Result<()> {
         &dir.path().join("kubeconfig"),
         linger,
         &["--max-staleness", "5m"],
-        log.into(),
+        target::Log::File(log),
     )
     .await?;
     let admin = broker.admin.context("the broker's admin port")?;

@@ -34,11 +34,67 @@ pub struct Target {
     stdin: Option<ChildStdin>,
 }
 
+/// Whether process `pid` holds a TCP socket listening on `port` (IPv4 or IPv6).
+fn listens(pid: u32, port: u16) -> bool {
+    let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
+        return false;
+    };
+    let inodes: std::collections::HashSet<String> = fds
+        .flatten()
+        .filter_map(|fd| std::fs::read_link(fd.path()).ok())
+        .filter_map(|link| {
+            let link = link.to_string_lossy().into_owned();
+            Some(
+                link.strip_prefix("socket:[")?
+                    .strip_suffix(']')?
+                    .to_string(),
+            )
+        })
+        .collect();
+    ["/proc/net/tcp", "/proc/net/tcp6"].iter().any(|table| {
+        std::fs::read_to_string(table)
+            .unwrap_or_default()
+            .lines()
+            .skip(1)
+            .any(|line| {
+                let fields: Vec<&str> = line.split_whitespace().collect();
+                // local_address is HEXIP:HEXPORT, st 0A is LISTEN, the inode is the tenth field.
+                fields.len() > 9
+                    && fields[3] == "0A"
+                    && fields[1].rsplit(':').next() == Some(&format!("{port:04X}"))
+                    && inodes.contains(fields[9])
+            })
+    })
+}
+
 fn free_port() -> anyhow::Result<u16> {
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?
         .local_addr()?
         .port())
 }
+
+/// Where a broker's log (its stderr) goes.
+pub enum Log {
+    /// The harness's own stderr.
+    Inherit,
+    /// Nowhere.
+    Null,
+    /// A file.
+    File(std::fs::File),
+}
+
+impl Log {
+    fn stdio(&self) -> anyhow::Result<Stdio> {
+        Ok(match self {
+            Log::Inherit => Stdio::inherit(),
+            Log::Null => Stdio::null(),
+            Log::File(file) => file.try_clone()?.into(),
+        })
+    }
+}
+
+/// Times a broker is started on new ports when its own were taken before it bound them.
+const LAUNCHES: usize = 3;
 
 impl Target {
     /// Starts the broker binary against the API server behind `kubeconfig`, with `args` added
@@ -49,7 +105,7 @@ impl Target {
         linger: Duration,
         args: &[&str],
     ) -> anyhow::Result<Target> {
-        Self::broker_logging(bin, kubeconfig, linger, args, Stdio::inherit()).await
+        Self::broker_logging(bin, kubeconfig, linger, args, Log::Inherit).await
     }
 
     /// As [`Target::broker`], its log (warnings and errors) to `log`.
@@ -58,7 +114,7 @@ impl Target {
         kubeconfig: &Path,
         linger: Duration,
         args: &[&str],
-        log: Stdio,
+        log: Log,
     ) -> anyhow::Result<Target> {
         let linger = humantime::format_duration(linger).to_string();
         let mut all = vec!["--linger", &linger];
@@ -86,6 +142,25 @@ impl Target {
         kubeconfig: &Path,
         args: &[&str],
         env: &[(&str, &str)],
+        log: Log,
+    ) -> anyhow::Result<Target> {
+        let mut attempt = 1;
+        loop {
+            match Self::launch_once(bin, kubeconfig, args, env, log.stdio()?).await {
+                Err(e) if attempt < LAUNCHES => {
+                    eprintln!("the broker did not start ({e:#}); again on other ports");
+                    attempt += 1;
+                }
+                result => return result,
+            }
+        }
+    }
+
+    async fn launch_once(
+        bin: &Path,
+        kubeconfig: &Path,
+        args: &[&str],
+        env: &[(&str, &str)],
         log: Stdio,
     ) -> anyhow::Result<Target> {
         let grpc: SocketAddr = ([127, 0, 0, 1], free_port()?).into();
@@ -108,7 +183,7 @@ impl Target {
             .kill_on_drop(true)
             .spawn()
             .with_context(|| format!("starting {}", bin.display()))?;
-        let target = Target {
+        let mut target = Target {
             kind: Kind::Broker,
             grpc,
             admin: Some(admin),
@@ -130,7 +205,7 @@ impl Target {
             .kill_on_drop(true)
             .spawn()?;
         let stdin = child.stdin.take();
-        let target = Target {
+        let mut target = Target {
             kind: Kind::Bare,
             grpc,
             admin: None,
@@ -141,9 +216,19 @@ impl Target {
         Ok(target)
     }
 
-    async fn wait_listening(&self, addr: SocketAddr) -> anyhow::Result<()> {
+    /// Waits until this process listens on `addr`. A free port is only free when it was
+    /// looked at: another process (a second harness, in parallel tests) may take it first, and
+    /// then whoever answers there is not this server. So the listening socket must be one of
+    /// this process's own; a server that exits first (its port taken) is an error.
+    async fn wait_listening(&mut self, addr: SocketAddr) -> anyhow::Result<()> {
         let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-        while tokio::net::TcpStream::connect(addr).await.is_err() {
+        while !listens(self.pid(), addr.port()) {
+            if let Some(status) = self.child.try_wait()? {
+                anyhow::bail!(
+                    "{:?} exited ({status}) before it listened on {addr}",
+                    self.kind
+                );
+            }
             anyhow::ensure!(
                 tokio::time::Instant::now() < deadline,
                 "{:?} did not listen on {addr}",
@@ -219,4 +304,18 @@ pub fn broker_bin(given: Option<PathBuf>) -> anyhow::Result<PathBuf> {
         path.display()
     );
     Ok(path)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_port_counts_as_listened_on_only_by_the_process_that_holds_it() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        assert!(super::listens(std::process::id(), port));
+        // Another process (the first, init) does not hold it, whoever answers there.
+        assert!(!super::listens(1, port));
+        drop(listener);
+        assert!(!super::listens(std::process::id(), port));
+    }
 }

@@ -5,7 +5,6 @@
 //! after it (`--broker-bin`).
 
 use std::net::Ipv4Addr;
-use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use crd_broker::pb;
@@ -20,7 +19,7 @@ use crate::Run;
 use crate::clients;
 use crate::fixtures::{self, name};
 use crate::stats::{Histogram, Summary};
-use crate::target::Target;
+use crate::target::{Log, Target};
 
 /// Every attack's figures.
 #[derive(Debug, Clone, Serialize)]
@@ -193,7 +192,7 @@ async fn broker(
     let (fake, dir) = fixtures::fake(crs, run.payload_bytes).await?;
     let bin = crate::target::broker_bin(run.broker_bin.clone())?;
     let kubeconfig = dir.path().join("kubeconfig");
-    let target = Target::launch(&bin, &kubeconfig, args, env, Stdio::null()).await?;
+    let target = Target::launch(&bin, &kubeconfig, args, env, Log::Null).await?;
     wait_ready(&target).await?;
     Ok((fake, dir, target))
 }
