@@ -197,3 +197,51 @@ mod tests {
         let _ = cpu(std::process::id());
     }
 }
+
+/// Which end of a TCP socket a port is matched against.
+#[derive(Debug, Clone, Copy)]
+pub enum End {
+    Local,
+    Remote,
+}
+
+/// Process `pid`'s TCP sockets (IPv4 and IPv6, from its own file descriptors and the kernel's
+/// tables) in `state` (`"01"` established, `"0A"` listening) whose `end` is on `port`.
+pub fn sockets(pid: u32, state: &str, end: End, port: u16) -> usize {
+    let inodes: std::collections::HashSet<String> = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|fd| std::fs::read_link(fd.path()).ok())
+        .filter_map(|link| {
+            let link = link.to_string_lossy().into_owned();
+            Some(
+                link.strip_prefix("socket:[")?
+                    .strip_suffix(']')?
+                    .to_string(),
+            )
+        })
+        .collect();
+    let port = format!("{port:04X}");
+    let column = match end {
+        End::Local => 1,
+        End::Remote => 2,
+    };
+    ["tcp", "tcp6"]
+        .iter()
+        .filter_map(|t| std::fs::read_to_string(format!("/proc/{pid}/net/{t}")).ok())
+        .map(|text| {
+            text.lines()
+                .skip(1)
+                .filter(|line| {
+                    // local and remote addresses are HEXIP:HEXPORT; the inode is the tenth field.
+                    let f: Vec<&str> = line.split_whitespace().collect();
+                    f.len() > 9
+                        && f[column].rsplit(':').next() == Some(port.as_str())
+                        && f[3] == state
+                        && inodes.contains(f[9])
+                })
+                .count()
+        })
+        .sum()
+}

@@ -36,35 +36,7 @@ pub struct Target {
 
 /// Whether process `pid` holds a TCP socket listening on `port` (IPv4 or IPv6).
 fn listens(pid: u32, port: u16) -> bool {
-    let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
-        return false;
-    };
-    let inodes: std::collections::HashSet<String> = fds
-        .flatten()
-        .filter_map(|fd| std::fs::read_link(fd.path()).ok())
-        .filter_map(|link| {
-            let link = link.to_string_lossy().into_owned();
-            Some(
-                link.strip_prefix("socket:[")?
-                    .strip_suffix(']')?
-                    .to_string(),
-            )
-        })
-        .collect();
-    ["/proc/net/tcp", "/proc/net/tcp6"].iter().any(|table| {
-        std::fs::read_to_string(table)
-            .unwrap_or_default()
-            .lines()
-            .skip(1)
-            .any(|line| {
-                let fields: Vec<&str> = line.split_whitespace().collect();
-                // local_address is HEXIP:HEXPORT, st 0A is LISTEN, the inode is the tenth field.
-                fields.len() > 9
-                    && fields[3] == "0A"
-                    && fields[1].rsplit(':').next() == Some(&format!("{port:04X}"))
-                    && inodes.contains(fields[9])
-            })
-    })
+    stats::sockets(pid, "0A", stats::End::Local, port) > 0
 }
 
 fn free_port() -> anyhow::Result<u16> {

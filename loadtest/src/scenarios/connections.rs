@@ -4,7 +4,6 @@
 //! process's own sockets (its file descriptors matched against the kernel's TCP table), not
 //! from its bookkeeping.
 
-use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
 use crd_broker::pb;
@@ -44,39 +43,9 @@ pub struct Connections {
 /// Resources one Subscribe may name.
 const PER_STREAM: usize = 100;
 
-/// The broker's established TCP connections to `port`, from its own file descriptors.
+/// The broker's established TCP connections to `port`.
 fn connections_of(pid: u32, port: u16) -> usize {
-    let inodes: HashSet<String> = std::fs::read_dir(format!("/proc/{pid}/fd"))
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter_map(|fd| std::fs::read_link(fd.path()).ok())
-        .filter_map(|link| {
-            let link = link.to_string_lossy().into_owned();
-            Some(
-                link.strip_prefix("socket:[")?
-                    .strip_suffix(']')?
-                    .to_string(),
-            )
-        })
-        .collect();
-    let port = format!("{port:04X}");
-    ["tcp", "tcp6"]
-        .iter()
-        .filter_map(|t| std::fs::read_to_string(format!("/proc/{pid}/net/{t}")).ok())
-        .map(|text| {
-            text.lines()
-                .skip(1)
-                .filter(|line| {
-                    let f: Vec<&str> = line.split_whitespace().collect();
-                    f.len() > 9
-                        && f[2].rsplit(':').next() == Some(port.as_str())
-                        && f[3] == "01"
-                        && inodes.contains(f[9])
-                })
-                .count()
-        })
-        .sum()
+    crate::stats::sockets(pid, "01", crate::stats::End::Remote, port)
 }
 
 async fn count(run: &Run, crs: usize, mode: &str) -> anyhow::Result<Row> {
