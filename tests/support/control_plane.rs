@@ -1,320 +1,23 @@
-//! A real kube-apiserver and etcd (`scripts/control-plane`), one per test binary and shared by
-//! its tests, each test in a namespace of its own. It stops when the test binary exits (the
-//! script watches our pid). The broker runs against it as its users run it: as a ServiceAccount
-//! with exactly the RBAC the Helm chart renders, through a kubeconfig holding that account's
-//! token.
+//! The tests' side of the real control plane (the `control-plane` crate): one plane per test
+//! binary, shared by its tests, each test in a namespace of its own; the broker deployed on it
+//! as its users run it, as a ServiceAccount with exactly the RBAC the Helm chart renders,
+//! through a kubeconfig holding that account's token; and widgets, a kind of each test's own.
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::sync::OnceLock;
-use std::sync::atomic::{AtomicU32, Ordering};
 
+pub use control_plane::*;
 use crd_broker::pb::subscribe_response::Event;
-use k8s_openapi::api::authentication::v1::TokenRequest;
-use k8s_openapi::api::core::v1::{Namespace, ServiceAccount};
-use kube::api::{Api, DynamicObject, Patch, PatchParams, PostParams};
-use kube::core::{ApiResource, GroupVersionKind};
+use kube::api::{Api, DynamicObject, PostParams};
+use kube::core::ApiResource;
 use serde_json::{Value, json};
-
-const ROOT: &str = env!("CARGO_MANIFEST_DIR");
-
-/// A running control plane.
-pub struct ControlPlane {
-    /// Where its certificates, logs and kubeconfig are.
-    pub dir: PathBuf,
-    /// The admin's kubeconfig (a client certificate in `system:masters`).
-    pub admin_kubeconfig: PathBuf,
-    /// `https://host:port`.
-    pub server: String,
-}
 
 static PLANE: OnceLock<ControlPlane> = OnceLock::new();
 
 /// The control plane of this test binary, started at the first call (`scripts/control-plane
-/// up`; the binaries are built once per version and cached).
+/// up`; the binaries are built once per version and cached). It stops when the test binary
+/// exits (the script watches our pid).
 pub fn control_plane() -> &'static ControlPlane {
     PLANE.get_or_init(|| start("127.0.0.1"))
-}
-
-/// Starts a control plane on `address` (`127.0.0.1`, `::1`) in a directory of its own under
-/// `target/control-plane/`, removing the directories of earlier test binaries that are gone.
-pub fn start(address: &str) -> ControlPlane {
-    start_with(address, &[])
-}
-
-/// [`start`], kube-apiserver run with `flags` besides the script's own.
-pub fn start_with(address: &str, flags: &[&str]) -> ControlPlane {
-    let base = Path::new(ROOT).join("target/control-plane");
-    std::fs::create_dir_all(&base).unwrap();
-    for entry in std::fs::read_dir(&base).unwrap().flatten() {
-        let name = entry.file_name().to_string_lossy().into_owned();
-        let pid = name.split('-').next().unwrap_or_default();
-        if !Path::new("/proc").join(pid).exists() {
-            let _ = std::fs::remove_dir_all(entry.path());
-        }
-    }
-    static STARTED: AtomicU32 = AtomicU32::new(0);
-    let dir = base.join(format!(
-        "{}-{}",
-        std::process::id(),
-        STARTED.fetch_add(1, Ordering::Relaxed)
-    ));
-    let out = Command::new(Path::new(ROOT).join("scripts/control-plane"))
-        .args(["up", "--dir"])
-        .arg(&dir)
-        .args(["--address", address])
-        .args(["--watch-pid", &std::process::id().to_string()])
-        .env("CONTROL_PLANE_APISERVER_FLAGS", flags.join(" "))
-        .output()
-        .expect("scripts/control-plane runs");
-    assert!(
-        out.status.success(),
-        "scripts/control-plane up (run the README's test command, scripts/test, which builds it): {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let server = std::fs::read_to_string(dir.join("server"))
-        .unwrap()
-        .trim()
-        .to_string();
-    ControlPlane {
-        admin_kubeconfig: dir.join("admin.kubeconfig"),
-        dir,
-        server,
-    }
-}
-
-impl Drop for ControlPlane {
-    /// Stops the plane (a test's own; the binary's shared one lives as long as the binary).
-    fn drop(&mut self) {
-        let _ = Command::new(Path::new(ROOT).join("scripts/control-plane"))
-            .args(["down", "--dir"])
-            .arg(&self.dir)
-            .output();
-    }
-}
-
-/// A process of the control plane.
-#[derive(Debug, Clone, Copy)]
-pub enum Component {
-    Etcd,
-    ApiServer,
-}
-
-impl Component {
-    fn name(self) -> &'static str {
-        match self {
-            Component::Etcd => "etcd",
-            Component::ApiServer => "kube-apiserver",
-        }
-    }
-}
-
-impl ControlPlane {
-    /// Ends `component` with `signal` (`KILL`, `TERM`) and waits until it has exited
-    /// (`scripts/control-plane stop`).
-    pub async fn stop(&self, component: Component, signal: &str) {
-        self.script(&["stop", component.name(), "--signal", signal])
-            .await;
-    }
-
-    /// Starts `component` again as it first ran, on its ports and data, and waits until it
-    /// answers: etcd its health, kube-apiserver its `/readyz` (`scripts/control-plane start`).
-    pub async fn start_again(&self, component: Component) {
-        self.script(&["start", component.name()]).await;
-    }
-
-    async fn script(&self, args: &[&str]) {
-        let mut command =
-            tokio::process::Command::new(Path::new(ROOT).join("scripts/control-plane"));
-        command.args(args).arg("--dir").arg(&self.dir);
-        let out = command.output().await.expect("scripts/control-plane runs");
-        assert!(
-            out.status.success(),
-            "scripts/control-plane {}: {}",
-            args.join(" "),
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
-
-    /// Compacts etcd's history up to its current revision, through its own API: every older
-    /// revision is gone, and a watch resumed from one is told so (410 Gone).
-    pub async fn compact_etcd(&self) -> u64 {
-        let url = std::fs::read_to_string(self.dir.join("etcd-url")).unwrap();
-        let url = url.trim();
-        let etcd = |path: &str, body: Value| {
-            let out = Command::new("curl")
-                .args(["-fsS", "-X", "POST", "-d", &body.to_string()])
-                .arg(format!("{url}{path}"))
-                .output()
-                .expect("curl runs");
-            assert!(out.status.success(), "etcd {path}: {out:?}");
-            serde_json::from_slice::<Value>(&out.stdout).unwrap()
-        };
-        // Any read answers with the store's revision in its header.
-        let head = etcd("/v3/kv/range", json!({ "key": base64(b"/") }));
-        let revision: u64 = head["header"]["revision"]
-            .as_str()
-            .unwrap()
-            .parse()
-            .unwrap();
-        etcd(
-            "/v3/kv/compaction",
-            json!({ "revision": revision.to_string(), "physical": true }),
-        );
-        revision
-    }
-
-    /// A client with the admin's rights. A new one each time: a kube client's buffer runs as a
-    /// task of the runtime that made it, and each test has a runtime of its own, while the
-    /// control plane is shared by every test of the binary.
-    pub async fn admin(&self) -> kube::Client {
-        client_from(&self.admin_kubeconfig).await
-    }
-
-    /// GET `path` as the admin: the body (for `/metrics`, `/version`, …).
-    pub async fn get(&self, path: &str) -> String {
-        let request = http::Request::get(path).body(Vec::new()).unwrap();
-        self.admin().await.request_text(request).await.unwrap()
-    }
-
-    /// The API server's own metrics, as `name{labels}` → value.
-    pub async fn metrics(&self) -> std::collections::BTreeMap<String, f64> {
-        super::scrape(&self.get("/metrics").await)
-    }
-
-    /// A new namespace named after `test` (with a number, so that a test may run twice).
-    pub async fn namespace(&self, test: &str) -> String {
-        static NEXT: AtomicU32 = AtomicU32::new(0);
-        let name = format!(
-            "{}-{}-{}",
-            test.replace('_', "-")
-                .chars()
-                .take(40)
-                .collect::<String>()
-                .trim_end_matches('-'),
-            std::process::id(),
-            NEXT.fetch_add(1, Ordering::Relaxed)
-        );
-        let namespaces: Api<Namespace> = Api::all(self.admin().await);
-        namespaces
-            .create(
-                &PostParams::default(),
-                &serde_json::from_value(json!({ "metadata": { "name": name } })).unwrap(),
-            )
-            .await
-            .unwrap();
-        name
-    }
-
-    /// Applies `objects` (server-side apply, as the admin), each in its own namespace or the
-    /// cluster.
-    pub async fn apply(&self, objects: &[Value]) {
-        let client = self.admin().await;
-        for object in objects {
-            let (group, version) = match object["apiVersion"].as_str().unwrap().split_once('/') {
-                Some((g, v)) => (g.to_string(), v.to_string()),
-                None => (
-                    String::new(),
-                    object["apiVersion"].as_str().unwrap().to_string(),
-                ),
-            };
-            let kind = object["kind"].as_str().unwrap();
-            let discovered = kube::discovery::pinned_kind(
-                &client,
-                &GroupVersionKind::gvk(&group, &version, kind),
-            )
-            .await
-            .unwrap_or_else(|e| panic!("{kind} in {group}/{version}: {e}"));
-            let (resource, capabilities): (ApiResource, _) = discovered;
-            let api: Api<DynamicObject> = match object["metadata"]["namespace"].as_str() {
-                Some(ns) if capabilities.scope == kube::discovery::Scope::Namespaced => {
-                    Api::namespaced_with(client.clone(), ns, &resource)
-                }
-                _ => Api::all_with(client.clone(), &resource),
-            };
-            let name = object["metadata"]["name"].as_str().unwrap();
-            api.patch(
-                name,
-                &PatchParams::apply("crd-broker-tests").force(),
-                &Patch::Apply(object),
-            )
-            .await
-            .unwrap_or_else(|e| panic!("applying {kind} {name}: {e}"));
-        }
-    }
-
-    /// A token of the ServiceAccount `account` of `namespace` from TokenRequest, for an hour:
-    /// for `audiences` (none: the API server's own), bound to the pod `pod` (its name) if given.
-    pub async fn token(
-        &self,
-        namespace: &str,
-        account: &str,
-        audiences: &[&str],
-        pod: Option<&str>,
-    ) -> String {
-        let client = self.admin().await;
-        let mut spec = json!({ "audiences": audiences, "expirationSeconds": 3600 });
-        if let Some(pod) = pod {
-            let pods: Api<k8s_openapi::api::core::v1::Pod> =
-                Api::namespaced(client.clone(), namespace);
-            let uid = pods.get(pod).await.unwrap().metadata.uid.unwrap();
-            spec["boundObjectRef"] =
-                json!({ "kind": "Pod", "apiVersion": "v1", "name": pod, "uid": uid });
-        }
-        let request: TokenRequest = serde_json::from_value(json!({ "spec": spec })).unwrap();
-        let accounts: Api<ServiceAccount> = Api::namespaced(client, namespace);
-        accounts
-            .create_token_request(account, &PostParams::default(), &request)
-            .await
-            .unwrap()
-            .status
-            .and_then(|status| status.token)
-            .expect("TokenRequest gives a token")
-    }
-
-    /// A kubeconfig in `dir` for the ServiceAccount `account` of `namespace`, with a token from
-    /// TokenRequest (an hour, for the API server's audience), to reach the API server at `server`
-    /// (its own URL, or a relay's to it).
-    pub async fn kubeconfig_for(
-        &self,
-        namespace: &str,
-        account: &str,
-        dir: &Path,
-        server: &str,
-    ) -> PathBuf {
-        let token = self.token(namespace, account, &[], None).await;
-        let ca = std::fs::read(self.dir.join("pki/ca.crt")).unwrap();
-        let path = dir.join(format!("{account}.kubeconfig"));
-        let kubeconfig = json!({
-            "apiVersion": "v1",
-            "kind": "Config",
-            "clusters": [{ "name": "control-plane", "cluster": {
-                "server": server,
-                "certificate-authority-data": base64(&ca),
-            } }],
-            "users": [{ "name": account, "user": { "token": token } }],
-            "contexts": [{ "name": account, "context": {
-                "cluster": "control-plane", "user": account, "namespace": namespace,
-            } }],
-            "current-context": account,
-        });
-        std::fs::write(&path, kubeconfig.to_string()).unwrap();
-        path
-    }
-}
-
-/// A client for the kubeconfig at `path`.
-pub async fn client_from(path: &Path) -> kube::Client {
-    let kubeconfig = kube::config::Kubeconfig::read_from(path).unwrap();
-    let config = kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default())
-        .await
-        .unwrap();
-    kube::Client::try_from(config).unwrap()
-}
-
-fn base64(bytes: &[u8]) -> String {
-    use base64::Engine;
-    base64::engine::general_purpose::STANDARD.encode(bytes)
 }
 
 /// The broker as the Helm chart deploys it, running against a control plane: the chart rendered
@@ -342,100 +45,112 @@ const APPLIED: [&str; 5] = [
     "RoleBinding",
 ];
 
-impl ControlPlane {
+/// The broker deployed on a control plane as the chart deploys it.
+pub trait Deploy {
     /// Deploys the broker into `namespace` with the chart's values overlaid by `values` (its
     /// addresses are free loopback ports, whatever `values` says), and waits until it is ready.
-    pub async fn deploy(&self, namespace: &str, values: Value) -> Deployed {
+    async fn deploy(&self, namespace: &str, values: Value) -> Deployed;
+    /// [`Deploy::deploy`], the broker reaching the API server at `server` (a relay to it).
+    async fn deploy_through(&self, namespace: &str, values: Value, server: &str) -> Deployed;
+    /// [`Deploy::deploy`], waiting only until the broker takes connections, ready or not.
+    async fn launch(&self, namespace: &str, values: Value) -> Deployed;
+}
+
+impl Deploy for ControlPlane {
+    async fn deploy(&self, namespace: &str, values: Value) -> Deployed {
         let mut deployed = self.launch(namespace, values).await;
         deployed.wait_ready().await;
         deployed
     }
 
-    /// [`ControlPlane::deploy`], the broker reaching the API server at `server` (a relay to it).
-    pub async fn deploy_through(&self, namespace: &str, values: Value, server: &str) -> Deployed {
-        let mut deployed = self.launch_through(namespace, values, server).await;
+    async fn deploy_through(&self, namespace: &str, values: Value, server: &str) -> Deployed {
+        let mut deployed = launch_through(self, namespace, values, server).await;
         deployed.wait_ready().await;
         deployed
     }
 
-    /// [`ControlPlane::deploy`], waiting only until the broker takes connections, ready or not.
-    pub async fn launch(&self, namespace: &str, values: Value) -> Deployed {
-        self.launch_through(namespace, values, &self.server).await
+    async fn launch(&self, namespace: &str, values: Value) -> Deployed {
+        launch_through(self, namespace, values, &self.server).await
     }
+}
 
-    /// [`ControlPlane::launch`], the broker reaching the API server at `server`.
-    async fn launch_through(&self, namespace: &str, values: Value, server: &str) -> Deployed {
-        let (grpc, admin) = (super::free_port(), super::free_port());
-        // A loopback address of the test's choosing, else 127.0.0.1.
-        let host = values["listenAddress"].as_str().unwrap_or("127.0.0.1");
-        let ip: std::net::IpAddr = host.parse().expect("listenAddress is a loopback IP");
-        let mut overrides = json!({ "fullnameOverride": namespace });
-        super::chart::merge(&mut overrides, &values);
-        super::chart::merge(
-            &mut overrides,
-            &json!({ "listenAddress": host, "grpc": { "port": grpc }, "admin": { "port": admin } }),
-        );
-        let docs = super::chart::render_release(namespace, namespace, overrides).unwrap();
-        let objects: Vec<Value> = docs
-            .iter()
-            .filter(|d| APPLIED.contains(&d["kind"].as_str().unwrap_or_default()))
-            .map(|d| {
-                let mut d = d.clone();
-                if d["kind"] == "ServiceAccount" && d["metadata"]["namespace"].is_null() {
-                    d["metadata"]["namespace"] = json!(namespace);
-                }
-                d
-            })
-            .collect();
-        self.apply(&objects).await;
-        let account = objects
-            .iter()
-            .find(|d| d["kind"] == "ServiceAccount")
-            .map(|d| d["metadata"]["name"].as_str().unwrap().to_string())
-            .expect("the chart renders a ServiceAccount");
-        let dir = tempfile::tempdir().unwrap();
-        let kubeconfig = self
-            .kubeconfig_for(namespace, &account, dir.path(), server)
-            .await;
-        let container = super::chart::container(&docs);
-        let strings = |v: &Value| -> Vec<String> {
-            v.as_array()
-                .into_iter()
-                .flatten()
-                .map(|a| a.as_str().unwrap().to_string())
-                .collect()
-        };
-        let env: Vec<(String, String)> = container["env"]
-            .as_array()
+/// [`Deploy::launch`], the broker reaching the API server at `server`.
+async fn launch_through(
+    plane: &ControlPlane,
+    namespace: &str,
+    values: Value,
+    server: &str,
+) -> Deployed {
+    let (grpc, admin) = (super::free_port(), super::free_port());
+    // A loopback address of the test's choosing, else 127.0.0.1.
+    let host = values["listenAddress"].as_str().unwrap_or("127.0.0.1");
+    let ip: std::net::IpAddr = host.parse().expect("listenAddress is a loopback IP");
+    let mut overrides = json!({ "fullnameOverride": namespace });
+    super::chart::merge(&mut overrides, &values);
+    super::chart::merge(
+        &mut overrides,
+        &json!({ "listenAddress": host, "grpc": { "port": grpc }, "admin": { "port": admin } }),
+    );
+    let docs = super::chart::render_release(namespace, namespace, overrides).unwrap();
+    let objects: Vec<Value> = docs
+        .iter()
+        .filter(|d| APPLIED.contains(&d["kind"].as_str().unwrap_or_default()))
+        .map(|d| {
+            let mut d = d.clone();
+            if d["kind"] == "ServiceAccount" && d["metadata"]["namespace"].is_null() {
+                d["metadata"]["namespace"] = json!(namespace);
+            }
+            d
+        })
+        .collect();
+    plane.apply(&objects).await;
+    let account = objects
+        .iter()
+        .find(|d| d["kind"] == "ServiceAccount")
+        .map(|d| d["metadata"]["name"].as_str().unwrap().to_string())
+        .expect("the chart renders a ServiceAccount");
+    let dir = tempfile::tempdir().unwrap();
+    let kubeconfig = plane
+        .kubeconfig_for(namespace, &account, dir.path(), server)
+        .await;
+    let container = super::chart::container(&docs);
+    let strings = |v: &Value| -> Vec<String> {
+        v.as_array()
             .into_iter()
             .flatten()
-            .map(|e| {
-                let value = e["value"].as_str().expect("plain env values");
-                (e["name"].as_str().unwrap().to_string(), value.to_string())
-            })
-            .collect();
-        let child = tokio::process::Command::new(env!("CARGO_BIN_EXE_crd-broker"))
-            .args(strings(&container["args"]))
-            .env_clear()
-            .env("KUBECONFIG", &kubeconfig)
-            .envs(env)
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::inherit())
-            .kill_on_drop(true)
-            .spawn()
-            .expect("the broker starts");
-        let mut deployed = Deployed {
-            child,
-            grpc: (ip, grpc).into(),
-            admin: (ip, admin).into(),
-            namespace: namespace.to_string(),
-            dir,
-        };
-        deployed
-            .wait_for("takes connections", |status| status.is_some())
-            .await;
-        deployed
-    }
+            .map(|a| a.as_str().unwrap().to_string())
+            .collect()
+    };
+    let env: Vec<(String, String)> = container["env"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|e| {
+            let value = e["value"].as_str().expect("plain env values");
+            (e["name"].as_str().unwrap().to_string(), value.to_string())
+        })
+        .collect();
+    let child = tokio::process::Command::new(env!("CARGO_BIN_EXE_crd-broker"))
+        .args(strings(&container["args"]))
+        .env_clear()
+        .env("KUBECONFIG", &kubeconfig)
+        .envs(env)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::inherit())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("the broker starts");
+    let mut deployed = Deployed {
+        child,
+        grpc: (ip, grpc).into(),
+        admin: (ip, admin).into(),
+        namespace: namespace.to_string(),
+        dir,
+    };
+    deployed
+        .wait_for("takes connections", |status| status.is_some())
+        .await;
+    deployed
 }
 
 impl Deployed {
@@ -471,173 +186,6 @@ impl Deployed {
             reached = reached => assert!(reached.is_ok(), "the broker {what}"),
             exit = self.child.wait() => panic!("the broker exited ({exit:?}) before it {what}"),
         }
-    }
-}
-
-/// The CustomResourceDefinition of a namespaced kind `plural` in `group`, served at v1, with
-/// any fields.
-pub fn crd(group: &str, plural: &str, kind: &str) -> Value {
-    json!({
-        "apiVersion": "apiextensions.k8s.io/v1",
-        "kind": "CustomResourceDefinition",
-        "metadata": { "name": format!("{plural}.{group}") },
-        "spec": {
-            "group": group,
-            "scope": "Namespaced",
-            "names": { "plural": plural, "singular": kind.to_lowercase(), "kind": kind },
-            "versions": [{
-                "name": "v1", "served": true, "storage": true,
-                "schema": { "openAPIV3Schema": {
-                    "type": "object", "x-kubernetes-preserve-unknown-fields": true,
-                } },
-            }],
-        },
-    })
-}
-
-impl ControlPlane {
-    /// Applies the CRDs and waits until the API server serves each (the kind at its first
-    /// served version in discovery).
-    pub async fn install_crds(&self, crds: &[Value]) {
-        self.apply(crds).await;
-        let client = self.admin().await;
-        for crd in crds {
-            let group = crd["spec"]["group"].as_str().unwrap();
-            let kind = crd["spec"]["names"]["kind"].as_str().unwrap();
-            let versions = crd["spec"]["versions"].as_array().unwrap();
-            let version = versions
-                .iter()
-                .find(|v| v["served"] == true)
-                .and_then(|v| v["name"].as_str())
-                .expect("a served version");
-            let gvk = GroupVersionKind::gvk(group, version, kind);
-            let found = tokio::time::timeout(std::time::Duration::from_secs(30), async {
-                loop {
-                    if kube::discovery::pinned_kind(&client, &gvk).await.is_ok() {
-                        return;
-                    }
-                    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-                }
-            })
-            .await;
-            assert!(found.is_ok(), "{kind}.{group} served after 30 s");
-        }
-    }
-
-    /// The WATCH requests the API server is serving now on `resource` of `group`, from its
-    /// own metrics (`apiserver_longrunning_requests`).
-    pub async fn open_watches(&self, group: &str, resource: &str) -> f64 {
-        let labels = [("verb", "WATCH"), ("group", group), ("resource", resource)];
-        super::total(
-            &self.metrics().await,
-            "apiserver_longrunning_requests",
-            &labels,
-        )
-    }
-
-    /// What the API server counted for `group`'s widgets: `apiserver_request_total` by verb,
-    /// summed over codes and scopes. A WATCH counts once it has ended.
-    pub async fn requests(&self, group: &str, verb: &str) -> f64 {
-        let labels = [("verb", verb), ("group", group), ("resource", "widgets")];
-        super::total(&self.metrics().await, "apiserver_request_total", &labels)
-    }
-}
-
-impl ControlPlane {
-    /// Gives every request of the ServiceAccount `account` of `namespace` a Priority and
-    /// Fairness level of its own, `name`, with `shares` of the server's concurrency (0: no seat
-    /// of its own; the level still runs one request when it runs none), which rejects what it
-    /// cannot seat (429 with Retry-After). [`ControlPlane::unprioritize`] ends it.
-    pub async fn prioritize(&self, name: &str, namespace: &str, account: &str, shares: u32) {
-        self.apply(&[
-            json!({
-                "apiVersion": "flowcontrol.apiserver.k8s.io/v1",
-                "kind": "PriorityLevelConfiguration",
-                "metadata": { "name": name },
-                "spec": { "type": "Limited", "limited": {
-                    "nominalConcurrencyShares": shares,
-                    "lendablePercent": 0,
-                    "borrowingLimitPercent": 0,
-                    "limitResponse": { "type": "Reject" },
-                } },
-            }),
-            json!({
-                "apiVersion": "flowcontrol.apiserver.k8s.io/v1",
-                "kind": "FlowSchema",
-                "metadata": { "name": name },
-                "spec": {
-                    "priorityLevelConfiguration": { "name": name },
-                    "matchingPrecedence": 500,
-                    "distinguisherMethod": { "type": "ByUser" },
-                    "rules": [{
-                        "subjects": [{ "kind": "ServiceAccount",
-                            "serviceAccount": { "name": account, "namespace": namespace } }],
-                        "resourceRules": [{ "verbs": ["*"], "apiGroups": ["*"],
-                            "resources": ["*"], "clusterScope": true, "namespaces": ["*"] }],
-                        "nonResourceRules": [{ "verbs": ["*"], "nonResourceURLs": ["*"] }],
-                    }],
-                },
-            }),
-        ])
-        .await;
-    }
-
-    /// Removes the FlowSchema `name` of [`ControlPlane::prioritize`]: the account's requests go
-    /// back to the levels they had.
-    pub async fn unprioritize(&self, name: &str) {
-        let schemas: Api<DynamicObject> = Api::all_with(
-            self.admin().await,
-            &ApiResource::from_gvk(&GroupVersionKind::gvk(
-                "flowcontrol.apiserver.k8s.io",
-                "v1",
-                "FlowSchema",
-            )),
-        );
-        schemas
-            .delete(name, &kube::api::DeleteParams::default())
-            .await
-            .unwrap();
-    }
-
-    /// Requests of the FlowSchema `name` the server rejected so far.
-    pub async fn rejected(&self, name: &str) -> f64 {
-        super::total(
-            &self.metrics().await,
-            "apiserver_flowcontrol_rejected_requests_total",
-            &[("flow_schema", name)],
-        )
-    }
-}
-
-/// A RoleBinding taken away by [`ControlPlane::revoke`], to give back.
-pub struct Revoked(k8s_openapi::api::rbac::v1::RoleBinding);
-
-impl ControlPlane {
-    /// Deletes the RoleBinding `name` of `namespace` (the chart's, named after the release,
-    /// grants the broker its kinds there).
-    pub async fn revoke(&self, namespace: &str, name: &str) -> Revoked {
-        let bindings: Api<k8s_openapi::api::rbac::v1::RoleBinding> =
-            Api::namespaced(self.admin().await, namespace);
-        let binding = bindings.get(name).await.unwrap();
-        bindings
-            .delete(name, &kube::api::DeleteParams::default())
-            .await
-            .unwrap();
-        Revoked(binding)
-    }
-
-    /// Creates the revoked RoleBinding again.
-    pub async fn restore(&self, revoked: Revoked) {
-        let mut binding = revoked.0;
-        let namespace = binding.metadata.namespace.clone().unwrap();
-        binding.metadata.resource_version = None;
-        binding.metadata.uid = None;
-        let bindings: Api<k8s_openapi::api::rbac::v1::RoleBinding> =
-            Api::namespaced(self.admin().await, &namespace);
-        bindings
-            .create(&PostParams::default(), &binding)
-            .await
-            .unwrap();
     }
 }
 

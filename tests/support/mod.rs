@@ -10,6 +10,8 @@ pub mod control_plane;
 pub mod dns;
 pub mod relay;
 
+pub use control_plane::scrape;
+
 use crd_broker::broker::Running;
 use crd_broker::pb;
 use crd_broker::pb::broker_client::BrokerClient;
@@ -560,38 +562,11 @@ pub async fn broker_with_access(
     broker_with(fake, with_admin().await, config, vec![])
 }
 
-/// `/metrics` text as sample → value.
-pub fn scrape(text: &str) -> std::collections::BTreeMap<String, f64> {
-    text.lines()
-        .filter(|l| !l.starts_with('#') && !l.is_empty())
-        .filter_map(|l| {
-            let (k, v) = l.rsplit_once(' ')?;
-            Some((k.to_string(), v.parse().ok()?))
-        })
-        .collect()
-}
-
 /// The broker's metrics, scraped from its admin port.
 pub async fn metrics(admin: std::net::SocketAddr) -> std::collections::BTreeMap<String, f64> {
     let (code, body) = http_get(admin, "/metrics").await;
     assert_eq!(code, 200);
     scrape(&body)
-}
-
-/// The sum of `name`'s series that carry every label of `labels` (folded from 0: a float sum
-/// starts at -0).
-pub fn total(
-    m: &std::collections::BTreeMap<String, f64>,
-    name: &str,
-    labels: &[(&str, &str)],
-) -> f64 {
-    let prefix = format!("{name}{{");
-    let labels: Vec<String> = labels.iter().map(|(k, v)| format!("{k}=\"{v}\"")).collect();
-    m.iter()
-        .filter(|(series, _)| {
-            series.starts_with(&prefix) && labels.iter().all(|l| series.contains(l.as_str()))
-        })
-        .fold(0.0, |sum, (_, v)| sum + v)
 }
 
 /// One sample's value (0 when absent).
