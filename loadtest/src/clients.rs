@@ -24,7 +24,7 @@ pub fn now_nanos() -> u64 {
 }
 
 /// The number after `"key":` in a JSON text.
-fn number_after(text: &[u8], key: &str) -> Option<u64> {
+pub fn number_after(text: &[u8], key: &str) -> Option<u64> {
     let needle = format!("\"{key}\":");
     let at = text
         .windows(needle.len())
@@ -53,6 +53,9 @@ pub struct Recorder {
     pub last_rv: Vec<std::sync::Mutex<String>>,
     /// Streams that ended with an error.
     pub errors: AtomicU64,
+    /// Times a subscriber started over after an error (the direct sidecars, which retry as
+    /// client-go's reflector does).
+    pub retries: AtomicU64,
 }
 
 impl Recorder {
@@ -68,7 +71,41 @@ impl Recorder {
                 .map(|_| std::sync::Mutex::new(String::new()))
                 .collect(),
             errors: AtomicU64::new(0),
+            retries: AtomicU64::new(0),
         })
+    }
+
+    /// A subscriber's first message, `elapsed` after it asked: its resource's watch started
+    /// for it (`cold`) or was already there.
+    pub fn first(&self, cold: bool, elapsed: Duration) {
+        match cold {
+            true => self.first_cold.record(elapsed),
+            false => self.first_warm.record(elapsed),
+        }
+    }
+
+    /// A live update received now, `object` the CR's JSON with the writer's `seq` and `sentAt`.
+    pub fn update(&self, object: &[u8]) {
+        let received = now_nanos();
+        if let (Some(sent), Some(seq)) =
+            (number_after(object, "sentAt"), number_after(object, "seq"))
+        {
+            let latency = received.saturating_sub(sent);
+            self.deliveries.record(Duration::from_nanos(latency));
+            if let Some(c) = self.completion.get(seq as usize) {
+                c.fetch_max(latency, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// Subscriber `slot` now holds `object` at `resource_version`.
+    pub fn seen(&self, slot: usize, object: &[u8], resource_version: String) {
+        if let Some(seq) = number_after(object, "seq") {
+            self.last_seq[slot].store(seq, Ordering::Relaxed);
+        }
+        if let Ok(mut rv) = self.last_rv[slot].lock() {
+            *rv = resource_version;
+        }
     }
 
     /// Per-update completion times (updates that reached nobody are left out).
@@ -166,30 +203,12 @@ pub async fn subscribe(
         };
         match message {
             Ok(Some(r)) => {
-                let received = now_nanos();
                 if std::mem::take(&mut first) {
-                    let h = if cold {
-                        &recorder.first_cold
-                    } else {
-                        &recorder.first_warm
-                    };
-                    h.record(started.elapsed());
-                } else if let (Some(sent), Some(seq)) = (
-                    number_after(&r.object, "sentAt"),
-                    number_after(&r.object, "seq"),
-                ) {
-                    let latency = received.saturating_sub(sent);
-                    recorder.deliveries.record(Duration::from_nanos(latency));
-                    if let Some(c) = recorder.completion.get(seq as usize) {
-                        c.fetch_max(latency, Ordering::Relaxed);
-                    }
+                    recorder.first(cold, started.elapsed());
+                } else {
+                    recorder.update(&r.object);
                 }
-                if let Some(seq) = number_after(&r.object, "seq") {
-                    recorder.last_seq[slot].store(seq, Ordering::Relaxed);
-                }
-                if let Ok(mut rv) = recorder.last_rv[slot].lock() {
-                    *rv = r.resource_version;
-                }
+                recorder.seen(slot, &r.object, r.resource_version);
             }
             Ok(None) | Err(_) => {
                 recorder.errors.fetch_add(1, Ordering::Relaxed);

@@ -1,11 +1,13 @@
-//! What the scenarios share: the fake API server with its FeatureFlags, a server under test
-//! started on it, subscribers started and waited for, and the broker's metrics scraped.
+//! What the scenarios share: the fake API server with its FeatureFlags (or a real control
+//! plane's world), a server under test started on it, subscribers started and waited for, and
+//! the broker's metrics scraped.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use anyhow::Context;
 use fake_apiserver::{FakeApiServer, Options};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::{Value, json};
@@ -267,4 +269,79 @@ pub(crate) async fn scrape(admin: SocketAddr) -> BTreeMap<String, f64> {
             Some((k.to_string(), v.parse().ok()?))
         })
         .collect()
+}
+
+/// The writer's FlowSchema on a real control plane: its requests are the only ones under this
+/// name.
+pub(crate) const WRITER_FLOW: &str = "crd-broker-writer";
+
+/// The RoleBinding that lets the broker read FeatureFlags on a real control plane.
+pub(crate) const BROKER_BINDING: &str = "broker-reads";
+
+/// A real control plane's world: the FeatureFlag CRD, `crs` flags in `default`, and three
+/// ServiceAccounts there — `sidecar` and `broker` may read FeatureFlags (a Role and a
+/// RoleBinding each), `writer` may patch them and has a FlowSchema of its own at the
+/// `workload-low` level, where service accounts' requests go by default.
+pub(crate) async fn real_world(
+    plane: &control_plane::ControlPlane,
+    crs: usize,
+    payload: usize,
+) -> anyhow::Result<()> {
+    let crd: Value = serde_saphyr::from_str(CRD).context("the FeatureFlag CRD")?;
+    plane.install_crds(&[crd]).await;
+    let account = |name: &str| {
+        json!({ "apiVersion": "v1", "kind": "ServiceAccount",
+            "metadata": { "name": name, "namespace": "default" } })
+    };
+    let role = |name: &str, verbs: &[&str]| {
+        json!({ "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+            "metadata": { "name": name, "namespace": "default" },
+            "rules": [{ "apiGroups": ["core.openfeature.dev"], "resources": ["featureflags"],
+                "verbs": verbs }] })
+    };
+    let binding = |name: &str, role: &str, account: &str| {
+        json!({ "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+            "metadata": { "name": name, "namespace": "default" },
+            "roleRef": { "apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": role },
+            "subjects": [{ "kind": "ServiceAccount", "name": account, "namespace": "default" }] })
+    };
+    plane
+        .apply(&[
+            account("sidecar"),
+            account("broker"),
+            account("writer"),
+            role("featureflag-reader", &["get", "list", "watch"]),
+            role("featureflag-writer", &["get", "patch"]),
+            binding("sidecar-reads", "featureflag-reader", "sidecar"),
+            binding(BROKER_BINDING, "featureflag-reader", "broker"),
+            binding("writer-writes", "featureflag-writer", "writer"),
+            json!({ "apiVersion": "flowcontrol.apiserver.k8s.io/v1", "kind": "FlowSchema",
+                "metadata": { "name": WRITER_FLOW },
+                "spec": {
+                    "priorityLevelConfiguration": { "name": "workload-low" },
+                    "matchingPrecedence": 500,
+                    "distinguisherMethod": { "type": "ByUser" },
+                    "rules": [{
+                        "subjects": [{ "kind": "ServiceAccount",
+                            "serviceAccount": { "name": "writer", "namespace": "default" } }],
+                        "resourceRules": [{ "verbs": ["*"], "apiGroups": ["*"],
+                            "resources": ["*"], "namespaces": ["*"] }],
+                    }],
+                } }),
+        ])
+        .await;
+    let flags: Vec<Value> = (0..crs).map(|k| flag(&name(k), payload)).collect();
+    plane.apply(&flags).await;
+    Ok(())
+}
+
+/// FeatureFlags, for a kube client's `Api`.
+pub(crate) fn featureflags() -> kube::core::ApiResource {
+    kube::core::ApiResource {
+        group: "core.openfeature.dev".into(),
+        version: "v1beta1".into(),
+        api_version: GV.into(),
+        kind: "FeatureFlag".into(),
+        plural: "featureflags".into(),
+    }
 }

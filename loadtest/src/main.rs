@@ -5,6 +5,7 @@
 
 mod bare;
 mod clients;
+mod direct;
 mod fixtures;
 mod plan;
 mod report;
@@ -59,7 +60,9 @@ pub struct Run {
     /// (per-object watches against one namespace watch), `coldstart` (a cold subscribe's first
     /// message against one LIST + WATCH on the same API server), `attacks` (what one caller can
     /// make the broker and the API server hold: cycled sets, namespaces and names, a token
-    /// flood, stalled set subscribers; docs/security.md), or `all`.
+    /// flood, stalled set subscribers; docs/security.md), `apiserver-cost` (what sidecars
+    /// watching their CRs themselves cost a real kube-apiserver, against one broker and three
+    /// replicas; needs Go or a cached control plane, so `all` leaves it out), or `all`.
     #[arg(long, value_delimiter = ',', default_value = "all")]
     pub scenario: Vec<String>,
     /// A tiny configuration of every scenario (a few seconds), for CI.
@@ -112,6 +115,21 @@ pub struct Run {
     /// Size of each FeatureFlag's JSON, in bytes (padded).
     #[arg(long, default_value_t = 1024)]
     pub payload_bytes: usize,
+    /// Sidecars in the apiserver-cost scenario, one row each.
+    #[arg(long, value_delimiter = ',', default_value = "100,1000,5000")]
+    pub cost_sidecars: Vec<usize>,
+    /// CRs they need in the apiserver-cost scenario (sidecar `i` needs CR `i % M`).
+    #[arg(long, default_value_t = 100)]
+    pub cost_crs: usize,
+    /// Modes of the apiserver-cost scenario: `direct`, `broker`, `replicas`.
+    #[arg(long, value_delimiter = ',', default_value = "direct,broker,replicas")]
+    pub cost_modes: Vec<String>,
+    /// How long the API server is watched idle in the apiserver-cost scenario.
+    #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
+    pub cost_idle: Duration,
+    /// How long one write per second per CR goes on in the apiserver-cost scenario.
+    #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
+    pub cost_writes: Duration,
     /// The broker binary (default: `crd-broker` next to this binary).
     #[arg(long)]
     pub broker_bin: Option<PathBuf>,
@@ -135,11 +153,19 @@ impl Run {
         self.stalled_readers = 10;
         self.stalled_update_bytes = 64 * 1024;
         self.sources = 2;
+        self.cost_sidecars = vec![30];
+        self.cost_crs = 5;
+        self.cost_idle = Duration::from_secs(2);
+        self.cost_writes = Duration::from_secs(3);
         self
     }
 
     fn wants(&self, scenario: &str) -> bool {
-        self.scenario.iter().any(|s| s == scenario || s == "all")
+        // `all` means the scenarios on the fake; the real control plane's is asked for by name.
+        let all = scenario != "apiserver-cost";
+        self.scenario
+            .iter()
+            .any(|s| s == scenario || (all && s == "all"))
     }
 }
 

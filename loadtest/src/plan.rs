@@ -20,6 +20,18 @@ mod measured {
     pub const STREAMS_PER_CONNECTION: f64 = 100.0;
     /// HTTP/1.1 connections per watch (1,000 CRs: 1,090–1,216 connections).
     pub const HTTP1_CONNECTIONS_PER_WATCH: f64 = 1.2;
+    /// The kube-apiserver's memory per client that watches its CR over a connection of its own
+    /// (`--scenario apiserver-cost`: 5,000 such sidecars, 582 MiB; 1,000, 76 MiB).
+    pub const APISERVER_DIRECT_WATCH_BYTES: f64 = 120.0 * 1024.0;
+    /// The kube-apiserver's memory per watch of a broker's, 100 to a connection (the same
+    /// scenario: 300 watches on 7 connections added 3–4 MiB to a 270 MiB process; an upper
+    /// bound).
+    pub const APISERVER_BROKER_WATCH_BYTES: f64 = 20.0 * 1024.0;
+    /// Priority and Fairness: a write's seats are one per this many watchers of its object
+    /// (`k8s.io/apiserver` `mutating_work_estimator.go`; measured: 50 watchers, 5 seats)…
+    pub const APF_WATCHERS_PER_SEAT: f64 = 10.0;
+    /// …and at most this many.
+    pub const APF_MAX_SEATS: f64 = 10.0;
 }
 
 /// What to plan for.
@@ -80,6 +92,15 @@ pub struct Plan {
     pub api_bytes_per_second: f64,
     /// See `api_bytes_per_second`.
     pub sidecar_bytes_per_second: f64,
+    /// The API server's memory for the brokers' watches, and for one watch per sidecar, each
+    /// on its own connection, without the broker.
+    pub apiserver_watch_bytes: f64,
+    /// See `apiserver_watch_bytes`.
+    pub apiserver_direct_bytes: f64,
+    /// Priority and Fairness seats of one write to a CR, through the brokers and without them.
+    pub seats_per_write: f64,
+    /// See `seats_per_write`.
+    pub seats_per_write_direct: f64,
     /// Each limit's use (0–1 and beyond), highest first.
     pub limits: Vec<(&'static str, f64)>,
 }
@@ -118,6 +139,11 @@ pub fn plan(a: &PlanArgs) -> Plan {
         ("open files", files / a.open_files.max(1) as f64),
     ];
     limits.sort_by(|x, y| y.1.total_cmp(&x.1));
+    let seats = |watchers: f64| {
+        (watchers / measured::APF_WATCHERS_PER_SEAT)
+            .ceil()
+            .clamp(1.0, measured::APF_MAX_SEATS)
+    };
     Plan {
         sidecars_per_replica,
         subscribers_per_cr,
@@ -129,6 +155,14 @@ pub fn plan(a: &PlanArgs) -> Plan {
         files,
         api_bytes_per_second: a.update_rate * on_replica * replicas * a.object_bytes as f64,
         sidecar_bytes_per_second: a.update_rate * subscribers_per_cr * a.object_bytes as f64,
+        apiserver_watch_bytes: watches_per_replica
+            * replicas
+            * measured::APISERVER_BROKER_WATCH_BYTES,
+        apiserver_direct_bytes: (a.sidecars * a.crs_per_sidecar) as f64
+            * measured::APISERVER_DIRECT_WATCH_BYTES,
+        // The replicas that watch a CR, against each of its subscribers.
+        seats_per_write: seats(on_replica * replicas),
+        seats_per_write_direct: seats(subscribers_per_cr),
         limits,
     }
 }
@@ -204,6 +238,25 @@ pub fn render(a: &PlanArgs, p: &Plan) -> String {
         format!("{:.0}", p.sidecar_bytes_per_second / r),
         format!("{:.0}", p.sidecar_bytes_per_second),
     );
+    row(
+        &mut s,
+        "API server memory for the watches",
+        String::new(),
+        format!(
+            "{:.2} GiB (without the broker: {:.2} GiB)",
+            p.apiserver_watch_bytes / 1073741824.0,
+            p.apiserver_direct_bytes / 1073741824.0
+        ),
+    );
+    row(
+        &mut s,
+        "Priority and Fairness seats per write",
+        String::new(),
+        format!(
+            "{:.0} (without the broker: {:.0})",
+            p.seats_per_write, p.seats_per_write_direct
+        ),
+    );
     let _ = writeln!(s, "\nUse of one replica's limits, highest first:\n");
     for (limit, used) in &p.limits {
         let _ = writeln!(s, "- {limit}: {:.1} %", used * 100.0);
@@ -258,6 +311,31 @@ mod tests {
         assert_eq!(p.limits[0].0, "memory");
         let mib = p.memory_bytes / 1048576.0;
         assert!((330.0..340.0).contains(&mib), "{mib}");
+        // 20 subscribers a CR: 2 seats a write without the broker; the 10 replicas that watch
+        // most CRs cost 1.
+        assert_eq!((p.seats_per_write, p.seats_per_write_direct), (1.0, 2.0));
+        let gib = |b: f64| b / 1073741824.0;
+        assert!(
+            (gib(p.apiserver_direct_bytes) - 11.44).abs() < 0.01,
+            "{p:?}"
+        );
+        assert!((gib(p.apiserver_watch_bytes) - 0.84).abs() < 0.01, "{p:?}");
+    }
+
+    #[test]
+    fn a_write_to_a_cr_with_many_watchers_costs_at_most_ten_seats() {
+        let p = plan(&args(&[
+            "--sidecars",
+            "5000",
+            "--crs",
+            "100",
+            "--replicas",
+            "1",
+        ]));
+        assert_eq!(p.seats_per_write_direct, 5.0);
+        assert_eq!(p.seats_per_write, 1.0);
+        let crowded = plan(&args(&["--sidecars", "100000", "--crs", "10"]));
+        assert_eq!(crowded.seats_per_write_direct, 10.0);
     }
 
     #[test]

@@ -7,6 +7,7 @@ use anyhow::Context;
 use serde::Serialize;
 
 use crate::Run;
+use crate::scenarios::apiserver_cost::{self, ApiserverCost};
 use crate::scenarios::attacks::Attacks;
 use crate::scenarios::churn::Churn;
 use crate::scenarios::coldstart::ColdStart;
@@ -114,6 +115,8 @@ pub struct Results {
     pub coldstart: Option<ColdStart>,
     /// The attacks a review found.
     pub attacks: Option<Attacks>,
+    /// What sidecars cost a real API server, directly and through brokers.
+    pub apiserver_cost: Option<ApiserverCost>,
     /// Broker ÷ bare.
     pub ratios: Ratios,
 }
@@ -162,6 +165,7 @@ impl Results {
             granularity: None,
             coldstart: None,
             attacks: None,
+            apiserver_cost: None,
             ratios: Ratios::default(),
         }
     }
@@ -468,6 +472,9 @@ pub fn markdown(r: &Results) -> String {
     if let Some(a) = &r.attacks {
         s += &attacks_section(a);
     }
+    if let Some(c) = &r.apiserver_cost {
+        s += &apiserver_cost::markdown(c);
+    }
     s
 }
 
@@ -622,18 +629,22 @@ fn identity_section(i: &Identity, ratios: &Ratios) -> String {
     s
 }
 
-/// Writes `results.json`, `summary.md` and `latency.png` into `dir`; returns the summary.
+/// Writes `results.json`, `summary.md`, `latency.png` (and `apiserver-cost.png`) into `dir`;
+/// returns the summary.
 pub fn write(dir: &Path, r: &Results) -> anyhow::Result<String> {
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     std::fs::write(dir.join("results.json"), serde_json::to_string_pretty(r)?)?;
     let summary = markdown(r);
     std::fs::write(dir.join("summary.md"), &summary)?;
     plot(&dir.join("latency.png"), r)?;
+    if let Some(c) = &r.apiserver_cost {
+        apiserver_cost::plot(&dir.join("apiserver-cost.png"), c)?;
+    }
     Ok(summary)
 }
 
 /// The font for the plot's text, from the system (DejaVu Sans on Debian).
-fn font() -> Option<&'static [u8]> {
+pub(crate) fn font() -> Option<&'static [u8]> {
     let candidates = [
         "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf",
         "/usr/share/fonts/TTF/DejaVuSans.ttf",
@@ -643,6 +654,38 @@ fn font() -> Option<&'static [u8]> {
         .iter()
         .find_map(|p| std::fs::read(p).ok())
         .map(|bytes| &*Box::leak(bytes.into_boxed_slice()))
+}
+
+/// A chart of ours: `X` across, a linear scale up.
+type Chart<'a, X> = plotters::chart::ChartContext<
+    'a,
+    plotters::backend::BitMapBackend<'a>,
+    plotters::coord::cartesian::Cartesian2d<X, plotters::coord::types::RangedCoordf64>,
+>;
+
+/// A line's mark in the legend, in its colour.
+pub(crate) fn mark(
+    color: plotters::style::RGBColor,
+) -> impl Fn((i32, i32)) -> plotters::element::PathElement<(i32, i32)> {
+    use plotters::style::Color;
+    move |(x, y)| {
+        plotters::element::PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(3))
+    }
+}
+
+/// The legend of every labelled line of `chart`, at `position`.
+pub(crate) fn legend<'a, X: plotters::coord::ranged1d::Ranged>(
+    chart: &mut Chart<'a, X>,
+    position: plotters::chart::SeriesLabelPosition,
+) -> anyhow::Result<()> {
+    use plotters::style::{BLACK, Color, WHITE};
+    chart
+        .configure_series_labels()
+        .border_style(BLACK)
+        .background_style(WHITE.mix(0.8))
+        .position(position)
+        .draw()?;
+    Ok(())
 }
 
 /// One line of the plot: its label, its (ms, fraction) points and its colour.
@@ -723,19 +766,11 @@ fn plot(path: &Path, r: &Results) -> anyhow::Result<()> {
             ShapeStyle::from(*color).stroke_width(2),
         ))?;
         if with_text {
-            let color = *color;
-            drawn.label(label.clone()).legend(move |(x, y)| {
-                PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(3))
-            });
+            drawn.label(label.clone()).legend(mark(*color));
         }
     }
     if with_text {
-        chart
-            .configure_series_labels()
-            .border_style(BLACK)
-            .background_style(WHITE.mix(0.8))
-            .position(SeriesLabelPosition::LowerRight)
-            .draw()?;
+        legend(&mut chart, SeriesLabelPosition::LowerRight)?;
     }
     root.present()?;
     Ok(())

@@ -3,8 +3,8 @@
 use anyhow::Context;
 
 use crate::scenarios::{
-    attacks, churn, coldstart, connections, failover, fanout, granularity, identity, idle, stalled,
-    storm,
+    apiserver_cost, attacks, churn, coldstart, connections, failover, fanout, granularity,
+    identity, idle, stalled, storm,
 };
 use crate::{Run, report, stats};
 
@@ -12,10 +12,14 @@ use crate::{Run, report, stats};
 pub async fn run_all(run: Run) -> anyhow::Result<()> {
     let fds = stats::raise_fd_limit();
     crate::target::broker_bin(run.broker_bin.clone())?;
-    let sockets = match run.wants("idle") || run.wants("identity") {
+    let mut sockets = match run.wants("idle") || run.wants("identity") {
         true => run.sidecars.max(run.connections),
         false => run.connections,
     } as u64;
+    if run.wants("apiserver-cost") {
+        let most = run.cost_sidecars.iter().copied().max().unwrap_or(0) as u64;
+        sockets = sockets.max(most);
+    }
     // Every connection is an open file here and in the server; the broker's watches (one per
     // CR) and the rest need some more.
     let needed = sockets + run.crs as u64 + 100;
@@ -97,6 +101,13 @@ pub async fn run_all(run: Run) -> anyhow::Result<()> {
             attacks::attacks(&run)
                 .await
                 .context("the attacks scenario")?,
+        );
+    }
+    if run.wants("apiserver-cost") {
+        results.apiserver_cost = Some(
+            apiserver_cost::apiserver_cost(&run)
+                .await
+                .context("the apiserver-cost scenario")?,
         );
     }
     results.compute_ratios();

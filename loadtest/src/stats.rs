@@ -112,7 +112,7 @@ impl Histogram {
 }
 
 /// A latency distribution, in milliseconds.
-#[derive(Debug, Clone, Copy, Default, Serialize, PartialEq)]
+#[derive(Debug, Clone, Copy, Default, Serialize, serde::Deserialize, PartialEq)]
 pub struct Summary {
     /// Samples.
     pub count: u64,

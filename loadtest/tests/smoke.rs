@@ -233,3 +233,85 @@ fn a_short_seeded_soak_meets_every_kind_of_fault_and_loses_nothing() {
     }
     std::fs::remove_dir_all(&out).ok();
 }
+
+#[test]
+fn the_apiserver_cost_smoke_measures_every_mode_on_a_real_api_server() {
+    let out = std::env::temp_dir().join(format!("crd-broker-cost-smoke-{}", std::process::id()));
+    let status = harness(&["--scenario", "apiserver-cost", "--smoke"], &out);
+    assert!(status.success());
+    let results: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("results.json")).unwrap()).unwrap();
+    let rows = results["apiserver_cost"]["rows"].as_array().unwrap();
+    let row = |mode: &str| {
+        rows.iter()
+            .find(|r| r["mode"] == mode)
+            .unwrap_or_else(|| panic!("a {mode} row: {rows:?}"))
+    };
+    for r in rows {
+        assert_eq!(r["lost"], 0, "{r}");
+        assert_eq!(r["errors"], 0, "{r}");
+        assert!(r["writes"].as_u64().unwrap() >= 10, "{r}");
+        assert!(r["write_to_all"]["count"].as_u64().unwrap() > 0, "{r}");
+        assert!(r["rss_idle_bytes"].as_u64().unwrap() > 0, "{r}");
+        assert!(r["cpu_writes_cores"].as_f64().unwrap() > 0.0, "{r}");
+        assert!(
+            r["seats_per_write"].as_f64().unwrap() >= 1.0,
+            "the server's own seat estimate for the writer's flow schema: {r}"
+        );
+    }
+    // The smoke run: 30 sidecars on 5 CRs. The API server counts one watch per sidecar when
+    // each watches its own CR, one per CR and replica through brokers.
+    let (direct, broker, replicas) = (row("direct"), row("broker"), row("replicas"));
+    assert_eq!(direct["watches"], 30.0, "{direct}");
+    assert_eq!(broker["watches"], 5.0, "{broker}");
+    assert_eq!(replicas["watches"], 15.0, "{replicas}");
+    assert!(direct["connections"].as_u64().unwrap() >= 30, "{direct}");
+    assert!(broker["connections"].as_u64().unwrap() < 30, "{broker}");
+    // A write to one CR reaches its 6 direct watchers, its one broker watch.
+    assert_eq!(direct["watchers_per_write"], 6.0, "{direct}");
+    assert_eq!(broker["watchers_per_write"], 1.0, "{broker}");
+    let summary = std::fs::read_to_string(out.join("summary.md")).unwrap();
+    assert!(summary.contains("What the broker saves the API server"));
+    assert!(
+        summary.contains("| direct ÷ broker | 30 | 6× |"),
+        "{summary}"
+    );
+    let png = std::fs::read(out.join("apiserver-cost.png")).unwrap();
+    assert!(
+        png.starts_with(b"\x89PNG") && png.len() > 10_000,
+        "a real plot"
+    );
+    std::fs::remove_dir_all(&out).ok();
+}
+
+#[test]
+fn a_short_seeded_soak_on_a_real_control_plane_meets_every_real_fault_and_loses_nothing() {
+    let out = std::env::temp_dir().join(format!("crd-broker-soak-real-{}", std::process::id()));
+    let status = harness(&["soak", "--real", "--smoke", "--seed", "23"], &out);
+    let report: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("soak.json")).unwrap()).unwrap();
+    assert!(status.success(), "{report:#}");
+    assert_eq!(report["api_server"], "real");
+    assert_eq!(report["lost"], 0, "{report:#}");
+    assert_eq!(report["watches_not_one"], 0, "{report:#}");
+    assert_eq!(report["watches_after_leaving"], 0, "{report:#}");
+    let kinds = report["by_fault"].as_object().unwrap();
+    let expected = [
+        "api_server_killed",
+        "api_server_stopped",
+        "etcd_killed",
+        "compaction",
+        "rejected",
+        "rbac_revoked",
+        "crd_recreated",
+    ];
+    assert_eq!(kinds.len(), expected.len(), "every real fault: {kinds:?}");
+    for kind in expected {
+        let r = &kinds[kind];
+        assert_eq!(r["count"], 1, "{kind}: {r}");
+        assert_eq!(r["slow"], 0, "{kind}: {r}");
+    }
+    let summary = std::fs::read_to_string(out.join("soak.md")).unwrap();
+    assert!(summary.contains("Fault soak on a real kube-apiserver and etcd (seed 23)"));
+    std::fs::remove_dir_all(&out).ok();
+}

@@ -1,7 +1,9 @@
-//! The scenarios: each sets up a fake API server and a server under test, applies load on
+//! The scenarios: each sets up an API server (the fake, or a real control plane for
+//! `apiserver-cost`) and a server under test, applies load on
 //! loopback for a bounded time, and measures. One a file; what they share is in
 //! [`crate::fixtures`], and the reports read their results.
 
+pub mod apiserver_cost;
 pub mod attacks;
 pub mod churn;
 pub mod coldstart;

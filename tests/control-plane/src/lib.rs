@@ -242,8 +242,9 @@ impl ControlPlane {
         }
     }
 
-    /// A token of the ServiceAccount `account` of `namespace` from TokenRequest, for an hour:
-    /// for `audiences` (none: the API server's own), bound to the pod `pod` (its name) if given.
+    /// A token of the ServiceAccount `account` of `namespace` from TokenRequest, for a day (a
+    /// long soak outlives an hour): for `audiences` (none: the API server's own), bound to the
+    /// pod `pod` (its name) if given.
     pub async fn token(
         &self,
         namespace: &str,
@@ -252,7 +253,7 @@ impl ControlPlane {
         pod: Option<&str>,
     ) -> String {
         let client = self.admin().await;
-        let mut spec = json!({ "audiences": audiences, "expirationSeconds": 3600 });
+        let mut spec = json!({ "audiences": audiences, "expirationSeconds": 86_400 });
         if let Some(pod) = pod {
             let pods: Api<k8s_openapi::api::core::v1::Pod> =
                 Api::namespaced(client.clone(), namespace);
@@ -272,7 +273,7 @@ impl ControlPlane {
     }
 
     /// A kubeconfig in `dir` for the ServiceAccount `account` of `namespace`, with a token from
-    /// TokenRequest (an hour, for the API server's audience), to reach the API server at `server`
+    /// TokenRequest (a day, for the API server's audience), to reach the API server at `server`
     /// (its own URL, or a relay's to it).
     pub async fn kubeconfig_for(
         &self,

@@ -6,6 +6,11 @@
 //! The faults are sequential episodes. After each one ends, a probe write to a CR that is never
 //! deleted is timed until every subscriber of that CR holds it: that is the fault's convergence
 //! time. The fault schedule, the writer's choices and the final states all come from `--seed`.
+//!
+//! With `--real` the API server is a real control plane (`scripts/control-plane`) and the faults
+//! are the ones real clusters have ([`cluster`]).
+
+mod cluster;
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -16,13 +21,12 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use crd_broker::pb;
 use crd_broker::pb::subscribe_response::Event;
-use fake_apiserver::{Deny, FakeApiServer, Matcher};
 use serde::Serialize;
-use serde_json::json;
 use tonic::transport::Channel;
 
+use self::cluster::{Cluster, Real, Truth};
 use crate::clients;
-use crate::fixtures::{CRD, GV, fake, flag, name, scrape};
+use crate::fixtures::{fake, name, scrape};
 use crate::stats::{self, Histogram, Summary};
 use crate::target::{self, Target};
 
@@ -50,9 +54,17 @@ pub struct SoakArgs {
     /// printed so the run can be repeated).
     #[arg(long)]
     pub seed: Option<u64>,
-    /// A short run for CI: 26 faults (each kind twice), 100 subscribers on 10 CRs.
+    /// A short run for CI: 100 subscribers on 10 CRs, each kind of fault twice on the fake
+    /// (26), once on a real control plane (7).
     #[arg(long)]
     pub smoke: bool,
+    /// On a real kube-apiserver and etcd, started here (`scripts/control-plane`), with the
+    /// faults a real cluster has: kube-apiserver killed (SIGKILL) or stopped (SIGTERM) and
+    /// started again, etcd killed for 10–30 s, history compacted under the watches, Priority and
+    /// Fairness rejecting the broker for 5–30 s, its RBAC revoked, the CRD deleted and
+    /// re-created; and all along, HTTP/2 connections cut at random (`--goaway-chance`).
+    #[arg(long)]
+    pub real: bool,
     /// The broker binary (default: `crd-broker` next to this binary).
     #[arg(long)]
     pub broker_bin: Option<std::path::PathBuf>,
@@ -64,7 +76,10 @@ pub struct SoakArgs {
 impl SoakArgs {
     fn sized(mut self) -> Self {
         if self.smoke {
-            self.faults = 2 * FAULTS.len();
+            self.faults = match self.real {
+                true => REAL_FAULTS.len(),
+                false => 2 * FAULTS.len(),
+            };
             self.subscribers = 100;
             self.crs = 10;
             self.connections = 10;
@@ -109,6 +124,14 @@ enum Fault {
     CrdRecreated,
     /// The broker's right to list and watch FeatureFlags revoked, and restored.
     RbacRevoked,
+    /// A real kube-apiserver killed (SIGKILL) and started again on the same etcd.
+    ApiServerKilled,
+    /// A real kube-apiserver stopped (SIGTERM: it drains) and started again.
+    ApiServerStopped,
+    /// A real etcd killed for 10–30 s, the API server up without its storage.
+    EtcdKilled,
+    /// Priority and Fairness rejecting every request of the broker (429 with Retry-After).
+    Rejected,
 }
 
 const FAULTS: [Fault; 13] = [
@@ -127,6 +150,17 @@ const FAULTS: [Fault; 13] = [
     Fault::RbacRevoked,
 ];
 
+/// The faults of a real control plane ([`cluster::Real`]).
+const REAL_FAULTS: [Fault; 7] = [
+    Fault::ApiServerKilled,
+    Fault::ApiServerStopped,
+    Fault::EtcdKilled,
+    Fault::Compaction,
+    Fault::Rejected,
+    Fault::RbacRevoked,
+    Fault::CrdRecreated,
+];
+
 /// What one subscriber holds.
 #[derive(Debug, Clone, Default, PartialEq)]
 struct Held {
@@ -136,37 +170,13 @@ struct Held {
     messages: u64,
 }
 
-/// A CR's state on the server.
-#[derive(Debug, Clone, PartialEq)]
-enum Truth {
-    Present { uid: String, rv: u64 },
-    Absent,
-}
-
 impl Truth {
-    fn of(fake: &FakeApiServer, cr: &str) -> Truth {
-        match fake.get(GV, "featureflags", "default", cr) {
-            Ok(obj) => Truth::Present {
-                uid: obj["metadata"]["uid"].as_str().unwrap_or_default().into(),
-                rv: rv_of(&obj),
-            },
-            Err(_) => Truth::Absent,
-        }
-    }
-
     fn held_by(&self, held: &Held) -> bool {
         match self {
             Truth::Present { uid, rv } => held.present && held.uid == *uid && held.rv >= *rv,
             Truth::Absent => !held.present && held.messages > 0,
         }
     }
-}
-
-fn rv_of(obj: &serde_json::Value) -> u64 {
-    obj["metadata"]["resourceVersion"]
-        .as_str()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0)
 }
 
 struct Subscribers {
@@ -262,7 +272,7 @@ async fn readyz(admin: SocketAddr) -> bool {
 }
 
 /// The background writer: patches random CRs, and deletes and re-creates the churn CRs.
-async fn writer(fake: Arc<FakeApiServer>, args: SoakArgs, seed: u64, stop: Arc<AtomicBool>) -> u64 {
+async fn writer(cluster: Arc<Cluster>, args: SoakArgs, seed: u64, stop: Arc<AtomicBool>) -> u64 {
     let mut rng = fastrand::Rng::with_seed(seed);
     let churn = args.churn();
     let mut writes = 0;
@@ -271,101 +281,17 @@ async fn writer(fake: Arc<FakeApiServer>, args: SoakArgs, seed: u64, stop: Arc<A
         let k = rng.usize(..args.crs);
         let cr = name(k);
         let done = if k < churn && rng.u8(..4) == 0 {
-            match Truth::of(&fake, &cr) {
-                Truth::Present { .. } => fake.delete(GV, "featureflags", "default", &cr).is_ok(),
-                Truth::Absent => fake.apply(flag(&cr, 256)).is_ok(),
+            match cluster.truth(&cr).await {
+                Truth::Present { .. } => cluster.delete(&cr).await,
+                Truth::Absent => cluster.create(&cr).await,
             }
         } else {
-            patch(&fake, &cr, writes).is_ok()
+            cluster.patch(&cr, writes).await.is_ok()
         };
         writes += u64::from(done);
         tokio::time::sleep(gap).await;
     }
     writes
-}
-
-fn patch(fake: &FakeApiServer, cr: &str, seq: u64) -> anyhow::Result<u64> {
-    let obj = fake.merge_patch(
-        GV,
-        "featureflags",
-        "default",
-        cr,
-        json!({ "spec": { "flagSpec": { "metadata": { "seq": seq } } } }),
-    )?;
-    Ok(rv_of(&obj))
-}
-
-fn between(rng: &mut fastrand::Rng, low_ms: u64, high_ms: u64) -> Duration {
-    Duration::from_millis(rng.u64(low_ms..=high_ms))
-}
-
-/// Injects `fault`, lets it last, and ends it.
-async fn inject(fake: &FakeApiServer, fault: Fault, rng: &mut fastrand::Rng, stable: &[String]) {
-    let times = rng.usize(1..=5);
-    match fault {
-        Fault::Drop => fake.abort_watches(),
-        Fault::Close => fake.close_watches(),
-        Fault::Error410 => fake.error_watches(410),
-        Fault::Compaction => {
-            fake.compact();
-            for cr in stable.iter().take(3) {
-                let _ = patch(fake, cr, 0);
-            }
-            fake.abort_watches();
-        }
-        Fault::List500 | Fault::List429 => {
-            let (code, retry) = if fault == Fault::List500 {
-                (500, None)
-            } else {
-                (429, Some(1))
-            };
-            fake.fail_next(Matcher::verb("list"), times, code, retry);
-            fake.error_watches(410);
-        }
-        Fault::Watch500 | Fault::Watch429 => {
-            let (code, retry) = if fault == Fault::Watch500 {
-                (500, None)
-            } else {
-                (429, Some(1))
-            };
-            fake.fail_next(Matcher::verb("watch"), times, code, retry);
-            fake.close_watches();
-        }
-        Fault::Stall => {
-            fake.stall_watches(true);
-            tokio::time::sleep(between(rng, 200, 1_500)).await;
-            fake.stall_watches(false);
-        }
-        Fault::Hang => {
-            fake.hang_next(Matcher::verb("watch"), times);
-            fake.close_watches();
-        }
-        Fault::Down => {
-            let _ = fake.restart(between(rng, 200, 1_500)).await;
-        }
-        Fault::CrdRecreated => {
-            let _ = fake.delete_crd("featureflags.core.openfeature.dev");
-            tokio::time::sleep(between(rng, 100, 1_000)).await;
-            let _ = fake.install_crd_yaml(CRD);
-            for cr in stable {
-                let _ = fake.apply(flag(cr, 256));
-            }
-        }
-        Fault::RbacRevoked => {
-            let deny = Deny {
-                group: Some("core.openfeature.dev".into()),
-                resource: Some("featureflags".into()),
-                ..Deny::default()
-            };
-            fake.deny(deny.clone());
-            fake.close_watches();
-            tokio::time::sleep(between(rng, 200, 1_500)).await;
-            fake.remove_deny(&deny);
-        }
-    }
-    // Injections last a moment, then the fault is over (hung requests are answered).
-    tokio::time::sleep(between(rng, 50, 400)).await;
-    fake.clear_faults();
 }
 
 /// Faults of one kind and how long the broker took to be current after each.
@@ -380,6 +306,8 @@ pub struct KindReport {
 /// What a soak measured.
 #[derive(Debug, Serialize)]
 pub struct SoakReport {
+    /// `fake` or `real`.
+    api_server: &'static str,
     seed: u64,
     faults: usize,
     subscribers: usize,
@@ -392,7 +320,8 @@ pub struct SoakReport {
     final_converge_ms: f64,
     /// Subscribers not on their CR's final state 30 s after the last write.
     lost: usize,
-    /// CRs not watched by exactly one watch at the end (with their subscribers on).
+    /// CRs not watched by exactly one watch at the end (with their subscribers on); on a real
+    /// API server, which counts watches by resource, how far the total is from one per CR.
     watches_not_one: usize,
     /// Watches open at the API server once everyone had left and the linger passed.
     watches_after_leaving: usize,
@@ -447,9 +376,18 @@ impl SoakReport {
 
     fn markdown(&self) -> String {
         let mut md = format!(
-            "## Fault soak (seed {})\n\n{} faults, {} subscribers on {} CRs, {} background writes, {:.0} s.\n\n\
+            "## Fault soak on {} (seed {})\n\n{} faults, {} subscribers on {} CRs, {} background writes, {:.0} s.\n\n\
              | fault | count | converge p50 | p99 | max | slow |\n|---|---:|---:|---:|---:|---:|\n",
-            self.seed, self.faults, self.subscribers, self.crs, self.writes, self.duration_seconds
+            match self.api_server {
+                "real" => "a real kube-apiserver and etcd",
+                _ => "the fake API server",
+            },
+            self.seed,
+            self.faults,
+            self.subscribers,
+            self.crs,
+            self.writes,
+            self.duration_seconds
         );
         for (fault, r) in &self.by_fault {
             md.push_str(&format!(
@@ -500,6 +438,20 @@ async fn wait_until(limit: Duration, mut done: impl FnMut() -> bool) -> Option<D
     done().then(|| start.elapsed())
 }
 
+/// Waits until `done` (asked every 100 ms) or `limit` has passed: whether it was.
+async fn eventually(limit: Duration, mut done: impl AsyncFnMut() -> bool) -> bool {
+    let start = Instant::now();
+    loop {
+        if done().await {
+            return true;
+        }
+        if start.elapsed() >= limit {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 /// Runs the soak and writes its report; fails if a promise was broken.
 pub async fn soak(args: SoakArgs) -> anyhow::Result<()> {
     let args = args.sized();
@@ -508,14 +460,29 @@ pub async fn soak(args: SoakArgs) -> anyhow::Result<()> {
     println!("soak: seed {seed}");
     let mut rng = fastrand::Rng::with_seed(seed);
     let bin = target::broker_bin(args.broker_bin.clone())?;
-    let (fake, dir) = fake(args.crs, 256).await?;
-    let fake = Arc::new(fake);
+    let dir = crate::fixtures::tempfile_like::Dir::new()?;
+    let (cluster, kubeconfig, _fake_dir) = match args.real {
+        false => {
+            let (fake, fake_dir) = fake(args.crs, 256).await?;
+            let kubeconfig = fake_dir.path().join("kubeconfig");
+            (Cluster::Fake(Arc::new(fake)), kubeconfig, Some(fake_dir))
+        }
+        true => {
+            let real = Real::start(args.crs).await?;
+            let kubeconfig = real
+                .plane
+                .kubeconfig_for("default", "broker", dir.path(), &real.plane.server)
+                .await;
+            (Cluster::Real(Box::new(real)), kubeconfig, None)
+        }
+    };
+    let cluster = Arc::new(cluster);
     let linger = Duration::from_secs(1);
     std::fs::create_dir_all(&args.out)?;
     let log = std::fs::File::create(args.out.join("soak-broker.log"))?;
     let broker = Target::broker_logging(
         &bin,
-        &dir.path().join("kubeconfig"),
+        &kubeconfig,
         linger,
         &["--max-staleness", "5m"],
         target::Log::File(log),
@@ -559,7 +526,12 @@ pub async fn soak(args: SoakArgs) -> anyhow::Result<()> {
     let stop = Arc::new(AtomicBool::new(false));
     let watching = Arc::new(AtomicBool::new(false));
     let flaps = tokio::spawn(watch_readiness(admin, watching.clone()));
-    let writes = tokio::spawn(writer(fake.clone(), args.clone(), seed ^ 1, stop.clone()));
+    let writes = tokio::spawn(writer(
+        cluster.clone(),
+        args.clone(),
+        seed ^ 1,
+        stop.clone(),
+    ));
     let churn = args.churn();
     let stable: Vec<String> = (churn..args.crs).map(name).collect();
     let mut by_fault: BTreeMap<Fault, (KindReport, Histogram)> = BTreeMap::new();
@@ -567,23 +539,23 @@ pub async fn soak(args: SoakArgs) -> anyhow::Result<()> {
     let mut round = Vec::new();
     for n in 0..args.faults {
         if round.is_empty() {
-            round = FAULTS.to_vec();
+            round = cluster.faults().to_vec();
             rng.shuffle(&mut round);
         }
         let fault = round.pop().unwrap_or(Fault::Drop);
-        inject(&fake, fault, &mut rng, &stable).await;
+        cluster.inject(fault, &mut rng, &stable).await;
         let k = rng.usize(churn..args.crs);
         let entry = by_fault.entry(fault).or_default();
         entry.0.count += 1;
-        let probe = match patch(&fake, &name(k), n as u64) {
+        let probe = match cluster.patch(&name(k), n as u64).await {
             Ok(rv) => rv,
             Err(_) => continue,
         };
-        let truth = match Truth::of(&fake, &name(k)) {
+        let truth = match cluster.truth(&name(k)).await {
             Truth::Present { uid, .. } => Truth::Present { uid, rv: probe },
             Truth::Absent => continue,
         };
-        match wait_until(Duration::from_secs(15), || subs.all_hold(k, &truth)).await {
+        match wait_until(cluster.probe_bound(), || subs.all_hold(k, &truth)).await {
             Some(took) => entry.1.record(took),
             None => entry.0.slow += 1,
         }
@@ -599,20 +571,22 @@ pub async fn soak(args: SoakArgs) -> anyhow::Result<()> {
     let writes = writes.await.unwrap_or(0);
 
     // The faults have stopped: the final writes, then every subscriber must hold them.
-    fake.clear_faults();
-    fake.stall_watches(false);
+    cluster.clear();
     for k in 0..args.crs {
         let cr = name(k);
         if k < churn && rng.bool() {
-            let _ = fake.delete(GV, "featureflags", "default", &cr);
-        } else if Truth::of(&fake, &cr) == Truth::Absent {
-            fake.apply(flag(&cr, 256))?;
+            cluster.delete(&cr).await;
+        } else if cluster.truth(&cr).await == Truth::Absent {
+            anyhow::ensure!(cluster.create(&cr).await, "creating {cr}");
         } else {
-            patch(&fake, &cr, u64::MAX / 2)?;
+            cluster.patch(&cr, u64::MAX / 2).await?;
         }
     }
     let last_write = Instant::now();
-    let truths: Vec<Truth> = (0..args.crs).map(|k| Truth::of(&fake, &name(k))).collect();
+    let mut truths = Vec::with_capacity(args.crs);
+    for k in 0..args.crs {
+        truths.push(cluster.truth(&name(k)).await);
+    }
     let all_final = || (0..args.crs).all(|k| subs.all_hold(k, &truths[k]));
     let converged = wait_until(Duration::from_secs(30), all_final).await;
     let final_converge_ms = converged
@@ -621,15 +595,9 @@ pub async fn soak(args: SoakArgs) -> anyhow::Result<()> {
     let lost = (0..args.subscribers)
         .filter(|&i| !truths[i % args.crs].held_by(&subs.held(i)))
         .count();
-    let one_each = || {
-        (0..args.crs)
-            .filter(|&k| {
-                fake.open_watches_on(PATH, Some(&format!("metadata.name={}", name(k)))) != 1
-            })
-            .count()
-    };
-    wait_until(Duration::from_secs(10), || one_each() == 0).await;
-    let watches_not_one = one_each();
+    let one_each = async || cluster.watches_not_one(args.crs, PATH).await == 0;
+    eventually(Duration::from_secs(10), one_each).await;
+    let watches_not_one = cluster.watches_not_one(args.crs, PATH).await;
     let rss_after = broker.rss();
     watching.store(true, Ordering::Relaxed);
     let readiness_flaps = flaps.await.unwrap_or(0);
@@ -640,11 +608,9 @@ pub async fn soak(args: SoakArgs) -> anyhow::Result<()> {
         t.abort();
     }
     drop(channels);
-    wait_until(linger + Duration::from_secs(10), || {
-        fake.open_watches() == 0
-    })
-    .await;
-    let watches_after_leaving = fake.open_watches();
+    let none_left = async || cluster.open_watches().await == 0;
+    eventually(linger + Duration::from_secs(10), none_left).await;
+    let watches_after_leaving = cluster.open_watches().await;
     // What is left must go: the connections the last relists opened close once idle (15 s,
     // looked at as often), and so do their tasks.
     let tasks = async || {
@@ -661,10 +627,11 @@ pub async fn soak(args: SoakArgs) -> anyhow::Result<()> {
         tokio::time::sleep(Duration::from_secs(1)).await;
         tasks_after = tasks().await;
     }
-    let api_connections_after = fake.open_connections();
+    let api_connections_after = cluster.api_connections(broker.pid());
     broker.stop().await;
 
     let report = SoakReport {
+        api_server: if args.real { "real" } else { "fake" },
         seed,
         faults: args.faults,
         subscribers: args.subscribers,
