@@ -36,6 +36,7 @@ COPY src src
 COPY benches benches
 COPY examples examples
 COPY tests/fake-apiserver tests/fake-apiserver
+COPY tests/control-plane tests/control-plane
 COPY loadtest loadtest
 RUN --mount=type=cache,target=/usr/local/cargo/registry \
     --mount=type=cache,target=/src/target,id=crd-broker-target-$TARGETARCH \

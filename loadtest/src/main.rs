@@ -8,6 +8,7 @@ mod clients;
 mod direct;
 mod fixtures;
 mod plan;
+mod plot;
 mod report;
 mod runner;
 mod scenarios;

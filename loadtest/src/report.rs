@@ -643,51 +643,6 @@ pub fn write(dir: &Path, r: &Results) -> anyhow::Result<String> {
     Ok(summary)
 }
 
-/// The font for the plot's text, from the system (DejaVu Sans on Debian).
-pub(crate) fn font() -> Option<&'static [u8]> {
-    let candidates = [
-        "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf",
-        "/usr/share/fonts/TTF/DejaVuSans.ttf",
-        "/usr/share/fonts/dejavu/DejaVuSans.ttf",
-    ];
-    candidates
-        .iter()
-        .find_map(|p| std::fs::read(p).ok())
-        .map(|bytes| &*Box::leak(bytes.into_boxed_slice()))
-}
-
-/// A chart of ours: `X` across, a linear scale up.
-type Chart<'a, X> = plotters::chart::ChartContext<
-    'a,
-    plotters::backend::BitMapBackend<'a>,
-    plotters::coord::cartesian::Cartesian2d<X, plotters::coord::types::RangedCoordf64>,
->;
-
-/// A line's mark in the legend, in its colour.
-pub(crate) fn mark(
-    color: plotters::style::RGBColor,
-) -> impl Fn((i32, i32)) -> plotters::element::PathElement<(i32, i32)> {
-    use plotters::style::Color;
-    move |(x, y)| {
-        plotters::element::PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(3))
-    }
-}
-
-/// The legend of every labelled line of `chart`, at `position`.
-pub(crate) fn legend<'a, X: plotters::coord::ranged1d::Ranged>(
-    chart: &mut Chart<'a, X>,
-    position: plotters::chart::SeriesLabelPosition,
-) -> anyhow::Result<()> {
-    use plotters::style::{BLACK, Color, WHITE};
-    chart
-        .configure_series_labels()
-        .border_style(BLACK)
-        .background_style(WHITE.mix(0.8))
-        .position(position)
-        .draw()?;
-    Ok(())
-}
-
 /// One line of the plot: its label, its (ms, fraction) points and its colour.
 type Series<'a> = (String, &'a Vec<(f64, f64)>, plotters::style::RGBColor);
 
@@ -727,9 +682,7 @@ fn plot(path: &Path, r: &Results) -> anyhow::Result<()> {
     .flatten()
     .filter(|(_, points, _)| !points.is_empty())
     .collect();
-    let with_text = font().is_some_and(|f| {
-        plotters::style::register_font("sans-serif", FontStyle::Normal, f).is_ok()
-    });
+    let with_text = crate::plot::text();
     let root = BitMapBackend::new(path, (900, 560)).into_drawing_area();
     root.fill(&WHITE)?;
     let all_ms = || {
@@ -766,11 +719,11 @@ fn plot(path: &Path, r: &Results) -> anyhow::Result<()> {
             ShapeStyle::from(*color).stroke_width(2),
         ))?;
         if with_text {
-            drawn.label(label.clone()).legend(mark(*color));
+            drawn.label(label.clone()).legend(crate::plot::mark(*color));
         }
     }
     if with_text {
-        legend(&mut chart, SeriesLabelPosition::LowerRight)?;
+        crate::plot::legend(&mut chart, SeriesLabelPosition::LowerRight)?;
     }
     root.present()?;
     Ok(())

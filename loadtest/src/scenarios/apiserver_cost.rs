@@ -443,9 +443,7 @@ pub fn ratios(c: &ApiserverCost) -> Vec<Ratio> {
 /// mode.
 pub fn plot(path: &std::path::Path, c: &ApiserverCost) -> anyhow::Result<()> {
     use plotters::prelude::*;
-    let with_text = crate::report::font().is_some_and(|f| {
-        plotters::style::register_font("sans-serif", FontStyle::Normal, f).is_ok()
-    });
+    let with_text = crate::plot::text();
     let root = BitMapBackend::new(path, (1100, 480)).into_drawing_area();
     root.fill(&WHITE)?;
     let panels = root.split_evenly((1, 2));
@@ -502,11 +500,11 @@ pub fn plot(path: &std::path::Path, c: &ApiserverCost) -> anyhow::Result<()> {
             chart.draw_series(points.iter().map(|&p| Circle::new(p, 4, style.filled())))?;
             let drawn = chart.draw_series(LineSeries::new(points, style))?;
             if with_text {
-                drawn.label(mode).legend(crate::report::mark(color));
+                drawn.label(mode).legend(crate::plot::mark(color));
             }
         }
         if with_text {
-            crate::report::legend(&mut chart, SeriesLabelPosition::UpperLeft)?;
+            crate::plot::legend(&mut chart, SeriesLabelPosition::UpperLeft)?;
         }
     }
     root.present()?;

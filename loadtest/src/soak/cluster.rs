@@ -5,6 +5,7 @@
 //! connections cut at random by `--goaway-chance` all along).
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use anyhow::Context;
@@ -38,6 +39,8 @@ pub struct Real {
     /// The plane (stopped when dropped).
     pub plane: ControlPlane,
     flags: Api<DynamicObject>,
+    /// Times a component did not start again at the first try (and did at the second).
+    pub starts_retried: AtomicU64,
 }
 
 /// A CR's state on the server.
@@ -74,7 +77,22 @@ impl Real {
             "default",
             &crate::fixtures::featureflags(),
         );
-        Ok(Real { plane, flags })
+        Ok(Real {
+            plane,
+            flags,
+            starts_retried: AtomicU64::new(0),
+        })
+    }
+
+    /// Starts `component` again; one that does not come up (the script says how it ended) is
+    /// started once more, and counted: that is the machine's, not the broker's.
+    async fn start_again(&self, component: Component) {
+        if let Err(e) = self.plane.try_start_again(component).await {
+            eprintln!("soak: {component:?} did not start again; once more. {e}");
+            self.starts_retried.fetch_add(1, Ordering::Relaxed);
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            self.plane.start_again(component).await;
+        }
     }
 
     fn crd(&self) -> anyhow::Result<Value> {
@@ -242,16 +260,16 @@ impl Real {
             Fault::ApiServerKilled => {
                 plane.stop(Component::ApiServer, "KILL").await;
                 tokio::time::sleep(between(rng, 500, 5_000)).await;
-                plane.start_again(Component::ApiServer).await;
+                self.start_again(Component::ApiServer).await;
             }
             Fault::ApiServerStopped => {
                 plane.stop(Component::ApiServer, "TERM").await;
-                plane.start_again(Component::ApiServer).await;
+                self.start_again(Component::ApiServer).await;
             }
             Fault::EtcdKilled => {
                 plane.stop(Component::Etcd, "KILL").await;
                 tokio::time::sleep(between(rng, 10_000, 30_000)).await;
-                plane.start_again(Component::Etcd).await;
+                self.start_again(Component::Etcd).await;
             }
             Fault::Compaction => {
                 // Writes, then every older version compacted away, then the API server's
@@ -261,7 +279,7 @@ impl Real {
                 }
                 plane.compact_etcd().await;
                 plane.stop(Component::ApiServer, "KILL").await;
-                plane.start_again(Component::ApiServer).await;
+                self.start_again(Component::ApiServer).await;
             }
             Fault::Rejected => {
                 plane.prioritize(REJECTING, "default", "broker", 0).await;

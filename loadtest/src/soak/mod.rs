@@ -336,6 +336,9 @@ pub struct SoakReport {
     /// TCP connections the broker held to the API server once everyone had left (its
     /// readiness check keeps one in use).
     api_connections_after: usize,
+    /// On a real control plane: times kube-apiserver or etcd did not start again at the first
+    /// try after a fault (the machine's, not the broker's; each did at the second).
+    plane_starts_retried: u64,
 }
 
 impl SoakReport {
@@ -409,7 +412,8 @@ impl SoakReport {
              - streams ended and reopened: {}; readiness flaps: {}\n\
              - RSS {:.1} MiB after warm-up, {:.1} MiB after the faults ({:.2}×)\n\
              - runtime tasks {} before the subscribers, {} after they left; \
-             connections to the API server after they left: {}\n",
+             connections to the API server after they left: {}\n\
+             - control-plane components started a second time after a fault: {}\n",
             self.final_converge_ms,
             self.lost,
             self.watches_not_one,
@@ -422,6 +426,7 @@ impl SoakReport {
             self.tasks_before,
             self.tasks_after,
             self.api_connections_after,
+            self.plane_starts_retried,
         ));
         md
     }
@@ -657,6 +662,10 @@ pub async fn soak(args: SoakArgs) -> anyhow::Result<()> {
         tasks_before,
         tasks_after,
         api_connections_after,
+        plane_starts_retried: match &*cluster {
+            Cluster::Real(real) => real.starts_retried.load(Ordering::Relaxed),
+            Cluster::Fake(_) => 0,
+        },
     };
     std::fs::write(
         args.out.join("soak.json"),

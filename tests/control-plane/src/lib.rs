@@ -123,16 +123,30 @@ impl ControlPlane {
         self.script(&["start", component.name()]).await;
     }
 
+    /// [`ControlPlane::start_again`], a failure to start returned (the script's words) rather
+    /// than panicked with.
+    pub async fn try_start_again(&self, component: Component) -> Result<(), String> {
+        self.try_script(&["start", component.name()]).await
+    }
+
     async fn script(&self, args: &[&str]) {
+        if let Err(e) = self.try_script(args).await {
+            panic!("{e}");
+        }
+    }
+
+    async fn try_script(&self, args: &[&str]) -> Result<(), String> {
         let mut command = tokio::process::Command::new(script());
         command.args(args).arg("--dir").arg(&self.dir);
         let out = command.output().await.expect("scripts/control-plane runs");
-        assert!(
-            out.status.success(),
-            "scripts/control-plane {}: {}",
-            args.join(" "),
-            String::from_utf8_lossy(&out.stderr)
-        );
+        match out.status.success() {
+            true => Ok(()),
+            false => Err(format!(
+                "scripts/control-plane {}: {}",
+                args.join(" "),
+                String::from_utf8_lossy(&out.stderr)
+            )),
+        }
     }
 
     /// Compacts etcd's history up to its current revision, through its own API: every older
