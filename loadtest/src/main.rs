@@ -1,7 +1,9 @@
 //! `crd-broker-loadtest`: drives a release-built crd-broker on the fake API server with many
 //! subscribers, side by side with a bare tonic server broadcasting the same payloads, and reports
-//! fan-out latency, first-message latency, memory, CPU, API-server load and lost updates.
-//! Everything runs on loopback and every scenario is bounded in time.
+//! fan-out latency, first-message latency, memory, CPU, API-server load and lost updates; on a
+//! real kube-apiserver and etcd (`scripts/control-plane`), what sidecars cost it with and without
+//! the broker (`--scenario apiserver-cost`) and the fault soak (`soak --real`). Everything runs on
+//! loopback and every scenario is bounded in time.
 
 mod bare;
 mod clients;
