@@ -1,6 +1,6 @@
 //! Balancing as real clients do it: replicas on 127.0.0.2–5 behind one DNS name (as a headless
-//! Service is), and the real gRPC clients — C-core (grpcio) and @grpc/grpc-js — with a `dns:`
-//! target and `round_robin`. Streams spread over the replicas; after the maximum connection age the client
+//! Service is), and the real gRPC clients — C-core (grpcio), @grpc/grpc-js and grpc-go (a
+//! client of ours on it, built by `scripts/peers`) — with a `dns:` target and `round_robin`. Streams spread over the replicas; after the maximum connection age the client
 //! re-resolves and a replica added to DNS takes its share; a replica that dies loses its streams
 //! to the others.
 
@@ -86,6 +86,16 @@ fn grpcio_client() -> tokio::process::Command {
         ))
         .env("GRPC_DNS_RESOLVER", "ares");
     python
+}
+
+/// grpc-go's `grpc.NewClient("dns://…")`, with `round_robin` in its default service config.
+fn grpc_go_client() -> tokio::process::Command {
+    tokio::process::Command::new(peer("grpc-go"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpc_go_round_robin_over_dns_spreads_rebalances_and_fails_over() {
+    balances(grpc_go_client()).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,14 +1,14 @@
-//! The Helm chart, checked as well as this machine allows (no helm binary can be installed):
-//! rendered by Go's own text/template (`tests/helm/render.go`, with the Sprig/Helm functions the
-//! chart uses and missing values as errors) under several value sets; every rendered object
-//! round-trips through the Kubernetes API types (so no field is unknown or misplaced); every flag
-//! the chart passes is one the binary accepts; every value the templates reference exists and
-//! every value is documented; the values meet values.schema.json (checked with `jsonschema`, as
-//! helm checks them); the default and the HA installs validate strictly against the Kubernetes
-//! 1.32 schemas (`kubernetes-validate`); the chart README's values table is the one values.yaml
-//! generates; the YAML lints clean (yamllint); and the deployment properties an SRE relies on
-//! hold. Also the Dockerfile: multi-stage, multi-arch, non-root, labelled, and everything it
-//! copies exists.
+//! The Helm chart, checked by the real helm (built from its module by `scripts/peers`): linted
+//! with `helm lint --strict` (warnings and missing values are errors) and rendered with
+//! `helm template` under several value sets; every rendered object round-trips through the
+//! Kubernetes API types (so no field is unknown or misplaced); every flag the chart passes is
+//! one the binary accepts; every value the templates reference exists and every value is
+//! documented; the values meet values.schema.json (helm refuses what `jsonschema` refuses); the
+//! default and the HA installs validate strictly against the Kubernetes 1.32 schemas
+//! (`kubernetes-validate`); the chart README's values table is the one values.yaml generates;
+//! the YAML lints clean (yamllint); and the deployment properties an SRE relies on hold. Also
+//! the Dockerfile: multi-stage, multi-arch, non-root, labelled, and everything it copies exists.
+//! The rendered installs run on the real control plane in `kubernetes.rs`.
 
 mod support;
 

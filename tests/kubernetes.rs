@@ -934,3 +934,81 @@ async fn the_debug_endpoints_let_in_a_token_whose_user_real_rbac_allows_the_path
         .await
         .expect("top reads the broker with the reader's token");
 }
+
+/// Where `held` (an object as the API server holds it) departs from `wanted` (as rendered):
+/// every field of `wanted` is in `held` with the same value; the server may add defaults.
+fn departures(held: &Value, wanted: &Value, at: &str) -> Vec<String> {
+    match (held, wanted) {
+        (Value::Object(h), Value::Object(w)) => w
+            .iter()
+            .flat_map(|(k, v)| {
+                departures(h.get(k).unwrap_or(&Value::Null), v, &format!("{at}.{k}"))
+            })
+            .collect(),
+        (Value::Array(h), Value::Array(w)) if h.len() == w.len() => h
+            .iter()
+            .zip(w)
+            .enumerate()
+            .flat_map(|(i, (h, w))| departures(h, w, &format!("{at}[{i}]")))
+            .collect(),
+        (h, w) if h == w => vec![],
+        (h, w) => vec![format!("{at}: held {h}, rendered {w}")],
+    }
+}
+
+/// The chart's default and HA installs as the real helm lints (`--strict`) and renders them,
+/// applied to the real API server (every object, not a dry run) and read back as rendered; then
+/// the broker runs as the ServiceAccount the default install creates and serves a FeatureFlag
+/// under the RBAC it grants.
+#[tokio::test]
+async fn helms_default_and_ha_installs_apply_to_the_real_server_and_the_broker_runs_under_them() {
+    let plane = control_plane();
+    plane.install_crds(&[feature_flag_crd()]).await;
+    let ha = support::chart::yaml_file(&support::chart::chart().join("ci/ha-values.yaml"));
+    for (test, values) in [("helm-default", json!({})), ("helm-ha", ha)] {
+        let ns = plane.namespace(test).await;
+        let docs = support::chart::render_release(&ns, &ns, values).expect("helm renders");
+        let objects = placed(&docs, &ns);
+        let kinds: std::collections::BTreeSet<&str> = objects
+            .iter()
+            .map(|o| o["kind"].as_str().unwrap())
+            .collect();
+        for kind in [
+            "Deployment",
+            "Service",
+            "ServiceAccount",
+            "ClusterRole",
+            "PodDisruptionBudget",
+        ] {
+            assert!(kinds.contains(kind), "{test}: {kind} in {kinds:?}");
+        }
+        plane.apply(&objects).await;
+        for object in &objects {
+            let held = plane.read(object).await;
+            let off = departures(&held, object, object["kind"].as_str().unwrap());
+            assert!(off.is_empty(), "{test}: {off:#?}");
+        }
+        println!(
+            "{test}: {} objects applied and read back: {kinds:?}",
+            objects.len()
+        );
+    }
+
+    let ns = plane.namespace("helm-runs").await;
+    plane.apply(&[flag_in(&ns, "demo", "on")]).await;
+    let broker = plane.deploy(&ns, flag_values(&ns)).await;
+    let account = plane
+        .read(&json!({ "apiVersion": "apps/v1", "kind": "Deployment",
+                       "metadata": { "namespace": ns, "name": ns } }))
+        .await["spec"]["template"]["spec"]["serviceAccountName"]
+        .clone();
+    assert_eq!(
+        account,
+        json!(ns),
+        "the Deployment runs as the chart's account"
+    );
+    let mut client = connect(broker.grpc).await;
+    let selector = format!("featureflags.core.openfeature.dev/{ns}/demo");
+    let mut stream = subscribe(&mut client, &[&selector]).await;
+    assert_eq!(next(&mut stream).await.event(), Event::Snapshot);
+}

@@ -8,9 +8,11 @@
 //!     Service of the broker the Helm chart deploys: the container's args and env as the chart
 //!     renders them.
 //!
-//! The operator's flagd sidecar is a Go program that cannot be built here (no Go module proxy);
-//! it is stood in for by a client that sends what its `grpc` sync sends (the selector in the
-//! request body, no header). The in-process provider is the real Python one.
+//! The operator's flagd sidecar is the real flagd daemon (`scripts/peers`), started with the
+//! arguments the operator's webhook gives it (v0.9.2, `internal/common/flagdinjector`); a client
+//! of ours that sends what its `grpc` sync sends checks both address families. The in-process
+//! provider is the real Python one. The operator's manager itself cannot be built here (its api
+//! module is not served; ADR 0022).
 
 mod support;
 
@@ -22,6 +24,7 @@ use crd_broker::pb::flagd;
 use crd_broker::pb::flagd::flag_sync_service_client::FlagSyncServiceClient;
 use serde_json::{Value, json};
 use support::chart::{container, render};
+use support::flagd::Flagd;
 use support::*;
 use tokio::process::{Child, Command};
 use tonic_health::pb::HealthCheckRequest;
@@ -99,6 +102,35 @@ async fn sidecar_sync(addr: SocketAddr) -> (tonic::Streaming<flagd::SyncFlagsRes
     (stream, first)
 }
 
+/// The flagd Service's name in the operator's sidecar sources (`flagd-proxy-svc` in the
+/// operator's namespace, the default cluster domain).
+const PROXY_SERVICE: &str = "flagd-proxy-svc.open-feature-operator-system.svc.cluster.local";
+
+/// The flagd sidecar the operator's webhook injects into a pod whose FeatureFlagSource has
+/// `provider: flagd-proxy` for `default/demo`: `start --management-port 8014 --port 8013
+/// --sources [{"uri":"flagd-proxy-svc.<ns>.svc.cluster.local:8015","provider":"grpc",
+/// "selector":"core.openfeature.dev/default/demo"}]`. The Service's name is resolved by `dns`
+/// (the target names it, as cluster DNS would answer it); the OFREP and sync ports, which the
+/// webhook leaves at flagd's defaults (8016 and 8015, the broker's here), are free ones.
+async fn operator_sidecar(dns: &dns::Dns) -> Flagd {
+    let sources = json!([{
+        "uri": format!("dns://{}/{PROXY_SERVICE}:8015", dns.addr),
+        "provider": "grpc",
+        "selector": SELECTOR,
+    }])
+    .to_string();
+    let args = [
+        "start",
+        "--management-port",
+        "8014",
+        "--port",
+        "8013",
+        "--sources",
+        &sources,
+    ];
+    Flagd::start_with(&args).await
+}
+
 /// The real Python provider, configured only by the environment an InProcessConfiguration
 /// injects (spec.host, spec.port, the defaults of the rest): ready, evaluates `f`, and sees it
 /// change. Its summary.
@@ -160,16 +192,26 @@ async fn the_operators_flagd_proxy_deployment_runs_the_broker_image_unchanged() 
         2.0,
         "flagd-proxy's gauge, under its name"
     );
+    // The real flagd sidecar, as the webhook configures it, evaluates the FeatureFlag.
+    let dns = dns::Dns::start(PROXY_SERVICE, &[std::net::Ipv4Addr::LOCALHOST]).await;
+    let mut sidecar = operator_sidecar(&dns).await;
+    sidecar
+        .until("f", json!(true), Duration::from_secs(30))
+        .await;
     let summary = in_process_provider(&fake.url(), "[::1]", 8015).await;
     println!("in-process provider through the flagd-proxy Deployment: {summary}");
-    // Both sidecar streams saw the provider's change.
+    // Both sidecar streams saw the provider's change, and so does the flagd sidecar.
     for stream in &mut streams {
         assert_eq!(
             next_config(stream).await["flags"]["f"]["defaultVariant"],
             "off"
         );
     }
-    drop(streams);
+    let took = sidecar
+        .until("f", json!(false), Duration::from_secs(2))
+        .await;
+    println!("the flagd sidecar evaluated the provider's change {took:?} after the streams");
+    drop((streams, sidecar));
     eventually("the gauge falls back", WAIT, async || {
         get(&metrics(admin).await, "sync_active_streams") == 0.0
     })

@@ -1,10 +1,11 @@
-//! The Helm chart rendered as Helm would render it, by Go's own text/template
-//! (`tests/helm/render.go`), and linted.
+//! The Helm chart rendered and linted by the real `helm` (built from its module by
+//! `scripts/peers`, cached by version), and checked beside it with yamllint, jsonschema and
+//! kubernetes-validate.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use serde_json::{Value, json};
+use serde_json::Value;
 
 pub const ROOT: &str = env!("CARGO_MANIFEST_DIR");
 
@@ -32,24 +33,17 @@ pub fn render(overrides: Value) -> Result<Vec<Value>, String> {
     render_release("flags", "openfeature", overrides)
 }
 
-/// [`render`] as the release `release` in `namespace`.
+/// [`render`] as the release `release` in `namespace`: values.yaml overlaid by `overrides`,
+/// checked against values.schema.json, linted by `helm lint --strict` (a missing value is an
+/// error) and rendered by `helm template`.
 pub fn render_release(
     release: &str,
     namespace: &str,
     overrides: Value,
 ) -> Result<Vec<Value>, String> {
-    let go = std::env::var("GO").unwrap_or_else(|_| "go".into());
-    let found = Command::new(&go)
-        .arg("version")
-        .output()
-        .is_ok_and(|o| o.status.success());
-    assert!(
-        found,
-        "Go is needed to render the chart with text/template: run the README's test command (scripts/test), which installs it, or set GO"
-    );
     let mut values = yaml_file(&chart().join("values.yaml"));
     merge(&mut values, &overrides);
-    // As helm does before rendering.
+    // helm checks the schema too; these messages name the value as a reader wrote it.
     let errors = schema_errors(&values);
     if !errors.is_empty() {
         return Err(format!(
@@ -57,30 +51,20 @@ pub fn render_release(
             errors.join("; ")
         ));
     }
-    let meta = yaml_file(&chart().join("Chart.yaml"));
-    let context = json!({
-        "Values": values,
-        "Release": { "Name": release, "Namespace": namespace, "Service": "Helm" },
-        "Chart": { "Name": meta["name"], "Version": meta["version"], "AppVersion": meta["appVersion"] },
-    });
     let dir = tempfile::tempdir().unwrap();
-    let ctx = dir.path().join("context.json");
-    std::fs::write(&ctx, context.to_string()).unwrap();
-    let cache = Path::new(ROOT).join("target/go-cache");
-    let out = Command::new(&go)
-        .args(["run", "render.go"])
+    let file = dir.path().join("values.json");
+    std::fs::write(&file, overrides.to_string()).unwrap();
+    helm_lint(namespace, &file)?;
+    let text = helm(&["template", release])
         .arg(chart())
-        .arg(&ctx)
-        .current_dir(Path::new(ROOT).join("tests/helm"))
-        .env("GOCACHE", &cache)
-        .env("GOPATH", cache.join("gopath"))
-        .env("GO111MODULE", "off")
+        .args(["--namespace", namespace, "--values"])
+        .arg(&file)
         .output()
-        .expect("go runs");
-    if !out.status.success() {
-        return Err(String::from_utf8_lossy(&out.stderr).into_owned());
+        .expect("helm runs");
+    if !text.status.success() {
+        return Err(String::from_utf8_lossy(&text.stderr).into_owned());
     }
-    let text = String::from_utf8(out.stdout).unwrap();
+    let text = String::from_utf8(text.stdout).unwrap();
     std::fs::write(dir.path().join("rendered.yaml"), &text).unwrap();
     lint(&[&dir.path().join("rendered.yaml")]);
     let docs = crd_broker::yaml::documents_as_json(&text)
@@ -90,6 +74,42 @@ pub fn render_release(
         .filter(|d| !d.is_null())
         .collect();
     Ok(docs)
+}
+
+/// `helm lint --strict` of the chart with the values file `values`: warnings are errors, and
+/// so is a template naming a value that does not exist.
+pub fn helm_lint(namespace: &str, values: &Path) -> Result<(), String> {
+    let out = helm(&["lint", "--strict", "--quiet"])
+        .arg(chart())
+        .args(["--namespace", namespace, "--values"])
+        .arg(values)
+        .output()
+        .expect("helm runs");
+    match out.status.success() {
+        true => Ok(()),
+        false => Err(format!(
+            "helm lint --strict: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        )),
+    }
+}
+
+/// A `helm` command with `args`, in an empty home of its own (no repositories, no plugins, no
+/// cluster).
+pub fn helm(args: &[&str]) -> Command {
+    static HELM: std::sync::OnceLock<(PathBuf, tempfile::TempDir)> = std::sync::OnceLock::new();
+    let (path, home) = HELM.get_or_init(|| (super::peer("helm"), tempfile::tempdir().unwrap()));
+    let mut helm = Command::new(path);
+    helm.args(args)
+        .env_clear()
+        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+        .env("HOME", home.path())
+        .env("HELM_CACHE_HOME", home.path().join("cache"))
+        .env("HELM_CONFIG_HOME", home.path().join("config"))
+        .env("HELM_DATA_HOME", home.path().join("data"))
+        .env("KUBECONFIG", home.path().join("no-cluster"));
+    helm
 }
 
 fn venv_python() -> PathBuf {

@@ -21,8 +21,8 @@ pub fn control_plane() -> &'static ControlPlane {
 }
 
 /// The broker as the Helm chart deploys it, running against a control plane: the chart rendered
-/// as the release `namespace` in `namespace`, its ServiceAccount and RBAC applied, and the
-/// container's args and env run with a kubeconfig holding that account's token.
+/// by helm as the release `namespace` in `namespace`, every object applied, and the
+/// container's args and env run with a kubeconfig holding its ServiceAccount's token.
 pub struct Deployed {
     /// The broker process (killed when dropped).
     pub child: tokio::process::Child,
@@ -36,19 +36,36 @@ pub struct Deployed {
     pub dir: tempfile::TempDir,
 }
 
-/// The kinds of the chart's objects that exist without a kubelet and that the broker needs.
-const APPLIED: [&str; 5] = [
-    "ServiceAccount",
-    "ClusterRole",
-    "ClusterRoleBinding",
-    "Role",
-    "RoleBinding",
-];
+/// The chart's rendered objects as `helm install` would send them to the API server of a
+/// release in `namespace`: namespaced ones placed in it. Those of the Prometheus Operator's
+/// kinds are left out (no control plane here has its CRDs).
+pub fn placed(docs: &[Value], namespace: &str) -> Vec<Value> {
+    docs.iter()
+        .filter(|d| {
+            !d["apiVersion"]
+                .as_str()
+                .unwrap_or_default()
+                .starts_with("monitoring.coreos.com/")
+        })
+        .map(|d| {
+            let mut d = d.clone();
+            let cluster_wide = d["kind"]
+                .as_str()
+                .unwrap_or_default()
+                .starts_with("Cluster");
+            if !cluster_wide && d["metadata"]["namespace"].is_null() {
+                d["metadata"]["namespace"] = json!(namespace);
+            }
+            d
+        })
+        .collect()
+}
 
 /// The broker deployed on a control plane as the chart deploys it.
 pub trait Deploy {
     /// Deploys the broker into `namespace` with the chart's values overlaid by `values` (its
-    /// addresses are free loopback ports, whatever `values` says), and waits until it is ready.
+    /// admin port is a free loopback port, and so is its gRPC port unless `values` names one),
+    /// and waits until it is ready.
     async fn deploy(&self, namespace: &str, values: Value) -> Deployed;
     /// [`Deploy::deploy`], the broker reaching the API server at `server` (a relay to it).
     async fn deploy_through(&self, namespace: &str, values: Value, server: &str) -> Deployed;
@@ -81,7 +98,11 @@ async fn launch_through(
     values: Value,
     server: &str,
 ) -> Deployed {
-    let (grpc, admin) = (super::free_port(), super::free_port());
+    // The gRPC port the test names (a broker started again where it was), else a free one.
+    let grpc = values["grpc"]["port"]
+        .as_u64()
+        .map_or_else(super::free_port, |p| p as u16);
+    let admin = super::free_port();
     // A loopback address of the test's choosing, else 127.0.0.1.
     let host = values["listenAddress"].as_str().unwrap_or("127.0.0.1");
     let ip: std::net::IpAddr = host.parse().expect("listenAddress is a loopback IP");
@@ -92,17 +113,10 @@ async fn launch_through(
         &json!({ "listenAddress": host, "grpc": { "port": grpc }, "admin": { "port": admin } }),
     );
     let docs = super::chart::render_release(namespace, namespace, overrides).unwrap();
-    let objects: Vec<Value> = docs
-        .iter()
-        .filter(|d| APPLIED.contains(&d["kind"].as_str().unwrap_or_default()))
-        .map(|d| {
-            let mut d = d.clone();
-            if d["kind"] == "ServiceAccount" && d["metadata"]["namespace"].is_null() {
-                d["metadata"]["namespace"] = json!(namespace);
-            }
-            d
-        })
-        .collect();
+    // Every object, as helm would install it: the Deployment, Services and policies stay
+    // objects (no controller or kubelet runs here); the broker runs as the ServiceAccount
+    // under the RBAC they grant.
+    let objects = placed(&docs, namespace);
     plane.apply(&objects).await;
     let account = objects
         .iter()

@@ -8,9 +8,10 @@ use std::time::Duration;
 pub mod chart;
 pub mod control_plane;
 pub mod dns;
+pub mod flagd;
 pub mod relay;
 
-pub use control_plane::scrape;
+pub use control_plane::{peer, scrape};
 
 use crd_broker::broker::Running;
 use crd_broker::pb;
@@ -118,7 +119,19 @@ pub async fn try_http_get(
     path: &str,
 ) -> std::io::Result<(u16, String)> {
     let stream = tokio::net::TcpStream::connect(addr).await?;
-    exchange(stream, addr, path, None).await
+    exchange(stream, addr, &format!("GET {path}"), None, None).await
+}
+
+/// A plain HTTP/1.1 POST of the JSON `body` on loopback: the status code and the body, or why
+/// there is none.
+pub async fn http_post(
+    addr: std::net::SocketAddr,
+    path: &str,
+    body: &Value,
+) -> std::io::Result<(u16, String)> {
+    let stream = tokio::net::TcpStream::connect(addr).await?;
+    let body = body.to_string();
+    exchange(stream, addr, &format!("POST {path}"), None, Some(&body)).await
 }
 
 /// A plain HTTP/1.1 GET from the loopback address `from`, with `token` as a bearer token if
@@ -134,22 +147,36 @@ pub async fn http_get_as(
         .bind(std::net::SocketAddr::new(from.parse().unwrap(), 0))
         .unwrap();
     let stream = socket.connect(addr).await.expect("connect");
-    exchange(stream, addr, path, token).await.expect("GET")
+    exchange(stream, addr, &format!("GET {path}"), token, None)
+        .await
+        .expect("GET")
 }
 
-/// One GET on `stream`, which the server closes after answering: the status and the body.
+/// One request (`line`: the method and the path) on `stream`, which the server closes after
+/// answering: the status and the body.
 async fn exchange(
     mut stream: tokio::net::TcpStream,
     addr: std::net::SocketAddr,
-    path: &str,
+    line: &str,
     token: Option<&str>,
+    json: Option<&str>,
 ) -> std::io::Result<(u16, String)> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let authorization = token
         .map(|t| format!("Authorization: Bearer {t}\r\n"))
         .unwrap_or_default();
-    let request =
-        format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\n{authorization}Connection: close\r\n\r\n");
+    let body = json
+        .map(|b| {
+            format!(
+                "Content-Type: application/json\r\nContent-Length: {}\r\n",
+                b.len()
+            )
+        })
+        .unwrap_or_default();
+    let request = format!(
+        "{line} HTTP/1.1\r\nHost: {addr}\r\n{authorization}{body}Connection: close\r\n\r\n{}",
+        json.unwrap_or_default()
+    );
     stream.write_all(request.as_bytes()).await?;
     let mut response = String::new();
     stream.read_to_string(&mut response).await?;

@@ -24,6 +24,43 @@ fn script() -> PathBuf {
     root().join("scripts/control-plane")
 }
 
+/// The binary of the real peer `name` (`helm`, `flagd`, `grpc-go`): `scripts/peers path`,
+/// which builds it from its module once per version and caches it.
+pub fn peer(name: &str) -> PathBuf {
+    let out = Command::new(root().join("scripts/peers"))
+        .args(["path", name])
+        .output()
+        .expect("scripts/peers runs");
+    assert!(
+        out.status.success(),
+        "scripts/peers path {name} (run the README's test command, scripts/test, which builds it): {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    PathBuf::from(String::from_utf8(out.stdout).unwrap().trim())
+}
+
+/// The API of `object`'s kind (discovered), in its namespace if it is namespaced; its kind and
+/// name.
+async fn api_for<'a>(
+    client: &kube::Client,
+    object: &'a Value,
+) -> (Api<DynamicObject>, &'a str, &'a str) {
+    let api_version = object["apiVersion"].as_str().unwrap();
+    let (group, version) = api_version.split_once('/').unwrap_or(("", api_version));
+    let kind = object["kind"].as_str().unwrap();
+    let (resource, capabilities): (ApiResource, _) =
+        kube::discovery::pinned_kind(client, &GroupVersionKind::gvk(group, version, kind))
+            .await
+            .unwrap_or_else(|e| panic!("{kind} in {api_version}: {e}"));
+    let api = match object["metadata"]["namespace"].as_str() {
+        Some(ns) if capabilities.scope == kube::discovery::Scope::Namespaced => {
+            Api::namespaced_with(client.clone(), ns, &resource)
+        }
+        _ => Api::all_with(client.clone(), &resource),
+    };
+    (api, kind, object["metadata"]["name"].as_str().unwrap())
+}
+
 /// A running control plane.
 pub struct ControlPlane {
     /// Where its certificates, logs and kubeconfig are.
@@ -224,28 +261,7 @@ impl ControlPlane {
     pub async fn apply(&self, objects: &[Value]) {
         let client = self.admin().await;
         for object in objects {
-            let (group, version) = match object["apiVersion"].as_str().unwrap().split_once('/') {
-                Some((g, v)) => (g.to_string(), v.to_string()),
-                None => (
-                    String::new(),
-                    object["apiVersion"].as_str().unwrap().to_string(),
-                ),
-            };
-            let kind = object["kind"].as_str().unwrap();
-            let discovered = kube::discovery::pinned_kind(
-                &client,
-                &GroupVersionKind::gvk(&group, &version, kind),
-            )
-            .await
-            .unwrap_or_else(|e| panic!("{kind} in {group}/{version}: {e}"));
-            let (resource, capabilities): (ApiResource, _) = discovered;
-            let api: Api<DynamicObject> = match object["metadata"]["namespace"].as_str() {
-                Some(ns) if capabilities.scope == kube::discovery::Scope::Namespaced => {
-                    Api::namespaced_with(client.clone(), ns, &resource)
-                }
-                _ => Api::all_with(client.clone(), &resource),
-            };
-            let name = object["metadata"]["name"].as_str().unwrap();
+            let (api, kind, name) = api_for(&client, object).await;
             api.patch(
                 name,
                 &PatchParams::apply("crd-broker-tests").force(),
@@ -254,6 +270,17 @@ impl ControlPlane {
             .await
             .unwrap_or_else(|e| panic!("applying {kind} {name}: {e}"));
         }
+    }
+
+    /// `object` as the API server holds it now (found by its kind, namespace and name).
+    pub async fn read(&self, object: &Value) -> Value {
+        let client = self.admin().await;
+        let (api, kind, name) = api_for(&client, object).await;
+        let found = api
+            .get(name)
+            .await
+            .unwrap_or_else(|e| panic!("reading {kind} {name}: {e}"));
+        serde_json::to_value(found).unwrap()
     }
 
     /// A token of the ServiceAccount `account` of `namespace` from TokenRequest, for a day (a

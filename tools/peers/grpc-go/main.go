@@ -1,0 +1,125 @@
+// The real grpc-go client balancing crd-broker streams as a headless Service is balanced:
+// grpc.NewClient with a `dns:` target and the round_robin policy.
+//
+// Usage: grpc-go-client TARGET STREAMS REQUEST_HEX MIN_RESOLUTION_MS
+//
+// Opens STREAMS Subscribe streams (the serialized SubscribeRequest REQUEST_HEX, sent as raw
+// bytes) on one channel to TARGET, once it is connected, 20 ms apart, and opens each again
+// 100 ms after it ends, as a client that follows the broker's UNAVAILABLE does. Prints one JSON
+// line per stream end ({"ended": code}) and runs until stdin closes. MIN_RESOLUTION_MS is the
+// DNS resolver's minimum time between resolutions (0: grpc-go's default, 30 s).
+package main
+
+import (
+	"context"
+	"encoding/hex"
+	"encoding/json"
+	"fmt"
+	"io"
+	"os"
+	"strconv"
+	"sync"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/connectivity"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/mem"
+	"google.golang.org/grpc/resolver/dns"
+	"google.golang.org/grpc/status"
+)
+
+const method = "/crdbroker.v1.Broker/Subscribe"
+
+// raw passes messages through as the bytes they are: the client needs no generated code.
+type raw struct{}
+
+func (raw) Marshal(v any) (mem.BufferSlice, error) {
+	return mem.BufferSlice{mem.SliceBuffer(*v.(*[]byte))}, nil
+}
+
+func (raw) Unmarshal(data mem.BufferSlice, v any) error {
+	*v.(*[]byte) = data.Materialize()
+	return nil
+}
+
+func (raw) Name() string { return "proto" }
+
+var out sync.Mutex
+
+func say(v any) {
+	line, _ := json.Marshal(v)
+	out.Lock()
+	defer out.Unlock()
+	fmt.Println(string(line))
+}
+
+// follow opens the stream, reads it to its end, and opens it again 100 ms later.
+func follow(conn *grpc.ClientConn, request []byte) {
+	desc := &grpc.StreamDesc{ServerStreams: true}
+	for {
+		code := "OK"
+		stream, err := conn.NewStream(context.Background(), desc, method,
+			grpc.ForceCodecV2(raw{}), grpc.WaitForReady(true))
+		if err == nil {
+			err = stream.SendMsg(&request)
+		}
+		if err == nil {
+			err = stream.CloseSend()
+		}
+		for err == nil {
+			var message []byte
+			err = stream.RecvMsg(&message)
+		}
+		if err != io.EOF {
+			code = status.Code(err).String()
+		}
+		say(map[string]string{"ended": code})
+		time.Sleep(100 * time.Millisecond)
+	}
+}
+
+func main() {
+	if len(os.Args) != 5 {
+		fmt.Fprintln(os.Stderr, "usage: grpc-go-client TARGET STREAMS REQUEST_HEX MIN_RESOLUTION_MS")
+		os.Exit(2)
+	}
+	target := os.Args[1]
+	streams, err1 := strconv.Atoi(os.Args[2])
+	request, err2 := hex.DecodeString(os.Args[3])
+	minResolution, err3 := strconv.Atoi(os.Args[4])
+	for _, err := range []error{err1, err2, err3} {
+		if err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			os.Exit(2)
+		}
+	}
+	if minResolution > 0 {
+		dns.SetMinResolutionInterval(time.Duration(minResolution) * time.Millisecond)
+	}
+	conn, err := grpc.NewClient(target,
+		grpc.WithTransportCredentials(insecure.NewCredentials()),
+		grpc.WithDefaultServiceConfig(`{"loadBalancingConfig": [{"round_robin": {}}]}`))
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(1)
+	}
+	// round_robin picks among the subchannels that are READY: let it connect to every address,
+	// then open the streams a little apart, as sidecars starting one by one do.
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	conn.Connect()
+	for state := conn.GetState(); state != connectivity.Ready; state = conn.GetState() {
+		if !conn.WaitForStateChange(ctx, state) {
+			fmt.Fprintln(os.Stderr, "not ready within 30 s")
+			os.Exit(1)
+		}
+	}
+	cancel()
+	time.Sleep(300 * time.Millisecond)
+	for i := 0; i < streams; i++ {
+		go follow(conn, request)
+		time.Sleep(20 * time.Millisecond)
+	}
+	say(map[string]int{"started": streams})
+	io.Copy(io.Discard, os.Stdin)
+}
