@@ -10,7 +10,7 @@
 //! the broker on free loopback ports, and nothing else.
 
 use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpStream};
 use std::os::unix::process::CommandExt;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
@@ -149,15 +149,6 @@ fn checkout(to: &Path) {
             .set_modified(modified)
             .unwrap();
     }
-}
-
-/// A free loopback port.
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 /// `cmd` with the environment a reader's shell would give it: this process's, without what
@@ -329,7 +320,7 @@ fn the_quickstart_runs_as_written_in_a_clean_checkout() {
         .unwrap();
     let dir = checkout_dir.path().to_path_buf();
     checkout(&dir);
-    let (grpc, admin) = (free_port(), free_port());
+    let (grpc, admin) = (control_plane::free_port(), control_plane::free_port());
     let admin_addr: SocketAddr = ([127, 0, 0, 1], admin).into();
     let env = [
         ("CRD_BROKER_GRPC_ADDR", format!("127.0.0.1:{grpc}")),

@@ -93,6 +93,7 @@ pub(crate) async fn serve(
             }
             t
         }
+        Kind::Flagd => anyhow::bail!("flagd runs on a real control plane (scenario peers)"),
     };
     Ok((fake, dir, target))
 }

@@ -65,7 +65,10 @@ pub struct Run {
     /// make the broker and the API server hold: cycled sets, namespaces and names, a token
     /// flood, stalled set subscribers; docs/security.md), `apiserver-cost` (what sidecars
     /// watching their CRs themselves cost a real kube-apiserver, against one broker and three
-    /// replicas; needs Go or a cached control plane, so `all` leaves it out), or `all`.
+    /// replicas; needs Go or a cached control plane, so `all` leaves it out), `peers` (crd-broker
+    /// beside the flagd daemon as a relay, the nearest peer that can be built here, on one real
+    /// control plane with the same CRs and flagd sync subscribers; also left out of `all`), or
+    /// `all`.
     #[arg(long, value_delimiter = ',', default_value = "all")]
     pub scenario: Vec<String>,
     /// A tiny configuration of every scenario (a few seconds), for CI.
@@ -133,6 +136,25 @@ pub struct Run {
     /// How long one write per second per CR goes on in the apiserver-cost scenario.
     #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
     pub cost_writes: Duration,
+    /// flagd sync streams in the peers scenario, one row per server at each.
+    #[arg(long, value_delimiter = ',', default_value = "1000,10000")]
+    pub peers_streams: Vec<usize>,
+    /// CRs they follow in the peers scenario (stream `i` follows CR `i % M`).
+    #[arg(long, default_value_t = 100)]
+    pub peers_crs: usize,
+    /// Servers of the peers scenario: `flagd` (the flagd daemon relaying a Kubernetes source
+    /// per CR through its sync server) and `crd-broker`.
+    #[arg(long, value_delimiter = ',', default_value = "flagd,crd-broker")]
+    pub peers_servers: Vec<String>,
+    /// How long the streams sit idle in the peers scenario before memory is read.
+    #[arg(long, default_value = "20s", value_parser = humantime::parse_duration)]
+    pub peers_idle: Duration,
+    /// How long one write per second per CR goes on in the peers scenario.
+    #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
+    pub peers_writes: Duration,
+    /// How long subscribers come and go (with the writes going on) in the peers scenario.
+    #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
+    pub peers_churn: Duration,
     /// The broker binary (default: `crd-broker` next to this binary).
     #[arg(long)]
     pub broker_bin: Option<PathBuf>,
@@ -160,12 +182,17 @@ impl Run {
         self.cost_crs = 5;
         self.cost_idle = Duration::from_secs(2);
         self.cost_writes = Duration::from_secs(3);
+        self.peers_streams = vec![200];
+        self.peers_crs = 10;
+        self.peers_idle = Duration::from_secs(2);
+        self.peers_writes = Duration::from_secs(3);
+        self.peers_churn = Duration::from_secs(3);
         self
     }
 
     fn wants(&self, scenario: &str) -> bool {
-        // `all` means the scenarios on the fake; the real control plane's is asked for by name.
-        let all = scenario != "apiserver-cost";
+        // `all` means the scenarios on the fake; the real control plane's are asked for by name.
+        let all = !matches!(scenario, "apiserver-cost" | "peers");
         self.scenario
             .iter()
             .any(|s| s == scenario || (all && s == "all"))

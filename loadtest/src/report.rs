@@ -17,6 +17,7 @@ use crate::scenarios::fanout::{Fanout, FanoutRun};
 use crate::scenarios::granularity::Granularity;
 use crate::scenarios::identity::Identity;
 use crate::scenarios::idle::Idle;
+use crate::scenarios::peers::{self, Peers};
 use crate::scenarios::stalled::Stalled;
 use crate::scenarios::storm::Storm;
 
@@ -117,6 +118,8 @@ pub struct Results {
     pub attacks: Option<Attacks>,
     /// What sidecars cost a real API server, directly and through brokers.
     pub apiserver_cost: Option<ApiserverCost>,
+    /// crd-broker beside the flagd daemon as a relay, on a real API server.
+    pub peers: Option<Peers>,
     /// Broker ÷ bare.
     pub ratios: Ratios,
 }
@@ -166,6 +169,7 @@ impl Results {
             coldstart: None,
             attacks: None,
             apiserver_cost: None,
+            peers: None,
             ratios: Ratios::default(),
         }
     }
@@ -474,6 +478,9 @@ pub fn markdown(r: &Results) -> String {
     }
     if let Some(c) = &r.apiserver_cost {
         s += &apiserver_cost::markdown(c);
+    }
+    if let Some(p) = &r.peers {
+        s += &peers::markdown(p);
     }
     s
 }

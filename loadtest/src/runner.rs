@@ -4,7 +4,7 @@ use anyhow::Context;
 
 use crate::scenarios::{
     apiserver_cost, attacks, churn, coldstart, connections, failover, fanout, granularity,
-    identity, idle, stalled, storm,
+    identity, idle, peers, stalled, storm,
 };
 use crate::{Run, report, stats};
 
@@ -19,6 +19,11 @@ pub async fn run_all(run: Run) -> anyhow::Result<()> {
     if run.wants("apiserver-cost") {
         let most = run.cost_sidecars.iter().copied().max().unwrap_or(0) as u64;
         sockets = sockets.max(most);
+    }
+    if run.wants("peers") {
+        // Every stream on a connection of its own, and the churn's on top.
+        let most = run.peers_streams.iter().copied().max().unwrap_or(0) as u64;
+        sockets = sockets.max(most + most / 10);
     }
     // Every connection is an open file here and in the server; the broker's watches (one per
     // CR) and the rest need some more.
@@ -109,6 +114,9 @@ pub async fn run_all(run: Run) -> anyhow::Result<()> {
                 .await
                 .context("the apiserver-cost scenario")?,
         );
+    }
+    if run.wants("peers") {
+        results.peers = Some(peers::peers(&run).await.context("the peers scenario")?);
     }
     results.compute_ratios();
     let summary = report::write(&run.out, &results)?;

@@ -1,5 +1,6 @@
 //! The servers under test, each a separate process: the release-built broker (on the fake API
-//! server through a kubeconfig) or the bare tonic server (this binary's `bare` subcommand).
+//! server or a real control plane, through a kubeconfig), the bare tonic server (this binary's
+//! `bare` subcommand) or the flagd daemon.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -20,6 +21,8 @@ pub enum Kind {
     Broker,
     /// The bare tonic server.
     Bare,
+    /// The flagd daemon, relaying through its own sync server.
+    Flagd,
 }
 
 /// A running server.
@@ -37,12 +40,6 @@ pub struct Target {
 /// Whether process `pid` holds a TCP socket listening on `port` (IPv4 or IPv6).
 fn listens(pid: u32, port: u16) -> bool {
     stats::sockets(pid, "0A", stats::End::Local, port) > 0
-}
-
-fn free_port() -> anyhow::Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port())
 }
 
 /// Where a broker's log (its stderr) goes.
@@ -135,8 +132,8 @@ impl Target {
         env: &[(&str, &str)],
         log: Stdio,
     ) -> anyhow::Result<Target> {
-        let grpc: SocketAddr = ([127, 0, 0, 1], free_port()?).into();
-        let admin: SocketAddr = ([127, 0, 0, 1], free_port()?).into();
+        let grpc: SocketAddr = ([127, 0, 0, 1], control_plane::free_port()).into();
+        let admin: SocketAddr = ([127, 0, 0, 1], control_plane::free_port()).into();
         let child = Command::new(bin)
             .args([
                 "serve",
@@ -168,7 +165,7 @@ impl Target {
 
     /// Starts the bare tonic server (this binary, `bare` subcommand).
     pub async fn bare() -> anyhow::Result<Target> {
-        let grpc: SocketAddr = ([127, 0, 0, 1], free_port()?).into();
+        let grpc: SocketAddr = ([127, 0, 0, 1], control_plane::free_port()).into();
         let mut child = Command::new(std::env::current_exe()?)
             .args(["bare", "--addr", &grpc.to_string()])
             .stdin(Stdio::piped())
@@ -183,6 +180,57 @@ impl Target {
             admin: None,
             child,
             stdin,
+        };
+        target.wait_listening(grpc).await?;
+        Ok(target)
+    }
+
+    /// Starts the flagd daemon (`scripts/peers`) with `sources` (its `--sources` JSON) against
+    /// the API server behind `kubeconfig`, its log to `log`; its sync server is the gRPC address.
+    pub async fn flagd(
+        kubeconfig: &Path,
+        sources: &serde_json::Value,
+        log: Log,
+    ) -> anyhow::Result<Target> {
+        let bin = tokio::task::spawn_blocking(|| control_plane::peer("flagd")).await?;
+        let [port, management, ofrep, sync] = [
+            control_plane::free_port(),
+            control_plane::free_port(),
+            control_plane::free_port(),
+            control_plane::free_port(),
+        ];
+        let grpc: SocketAddr = ([127, 0, 0, 1], sync).into();
+        let child = Command::new(&bin)
+            .args(["start", "--sources", &sources.to_string()])
+            .args([
+                "--port",
+                &port.to_string(),
+                "--management-port",
+                &management.to_string(),
+            ])
+            .args([
+                "--ofrep-port",
+                &ofrep.to_string(),
+                "--sync-port",
+                &sync.to_string(),
+            ])
+            .args(["--log-format", "json"])
+            .env_clear()
+            .env("KUBECONFIG", kubeconfig)
+            // flagd looks for a config file in $HOME: an empty one of its own.
+            .env("HOME", kubeconfig.parent().unwrap_or(Path::new("/")))
+            .stdin(Stdio::null())
+            .stdout(log.stdio()?)
+            .stderr(log.stdio()?)
+            .kill_on_drop(true)
+            .spawn()
+            .with_context(|| format!("starting {}", bin.display()))?;
+        let mut target = Target {
+            kind: Kind::Flagd,
+            grpc,
+            admin: None,
+            child,
+            stdin: None,
         };
         target.wait_listening(grpc).await?;
         Ok(target)

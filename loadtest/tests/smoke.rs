@@ -285,6 +285,42 @@ fn the_apiserver_cost_smoke_measures_every_mode_on_a_real_api_server() {
 }
 
 #[test]
+fn the_peers_smoke_runs_flagd_and_the_broker_side_by_side_on_a_real_api_server() {
+    let out = std::env::temp_dir().join(format!("crd-broker-peers-smoke-{}", std::process::id()));
+    let status = harness(&["--scenario", "peers", "--smoke"], &out);
+    assert!(status.success());
+    let results: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("results.json")).unwrap()).unwrap();
+    let rows = results["peers"]["rows"].as_array().unwrap();
+    let row = |server: &str| {
+        rows.iter()
+            .find(|r| r["server"] == server)
+            .unwrap_or_else(|| panic!("a {server} row: {rows:?}"))
+    };
+    // The smoke run: 200 streams on 10 CRs, through each server in turn.
+    for r in rows {
+        assert_eq!(r["streams"], 200, "{r}");
+        assert_eq!(r["lost"], 0, "{r}");
+        assert_eq!(r["errors"], 0, "{r}");
+        assert_eq!(r["churn_errors"], 0, "{r}");
+        assert_eq!(r["churn_lost"], 0, "{r}");
+        assert!(r["churn_streams"].as_u64().unwrap() >= 20, "{r}");
+        assert!(r["write_to_all"]["count"].as_u64().unwrap() >= 30, "{r}");
+        assert_eq!(r["api_watches"], 10.0, "one watch per CR: {r}");
+        assert!(r["rss_idle_bytes"].as_u64().unwrap() > 0, "{r}");
+        assert!(r["recreated_seconds"].as_f64().is_some(), "{r}");
+    }
+    // The broker sends a deleted CR's streams a configuration without its flags; flagd keeps
+    // serving the flags it had.
+    assert!(row("crd-broker")["deleted_seconds"].as_f64().is_some());
+    assert!(row("flagd")["deleted_seconds"].is_null());
+    let summary = std::fs::read_to_string(out.join("summary.md")).unwrap();
+    assert!(summary.contains("| crd-broker ÷ flagd"), "{summary}");
+    assert!(summary.contains("| 200 streams |"), "{summary}");
+    std::fs::remove_dir_all(&out).ok();
+}
+
+#[test]
 fn a_short_seeded_soak_on_a_real_control_plane_meets_every_real_fault_and_loses_nothing() {
     let out = std::env::temp_dir().join(format!("crd-broker-soak-real-{}", std::process::id()));
     let status = harness(&["soak", "--real", "--smoke", "--seed", "23"], &out);

@@ -11,7 +11,7 @@ pub mod dns;
 pub mod flagd;
 pub mod relay;
 
-pub use control_plane::{peer, scrape};
+pub use control_plane::{free_port, peer, scrape};
 
 use crd_broker::broker::Running;
 use crd_broker::pb;
@@ -690,25 +690,6 @@ pub fn assert_status(status: &tonic::Status, code: tonic::Code, needle: &str) {
         "{:?} lacks {needle:?}",
         status.message()
     );
-}
-
-/// A port that a process the test starts may bind on 127.0.0.1. It is taken below the kernel's
-/// ephemeral range (32768–60999), so no outgoing connection of a concurrent test can hold it by
-/// the time the process binds it, as a port from binding port 0 could.
-pub fn free_port() -> u16 {
-    use std::sync::atomic::{AtomicU32, Ordering};
-    const LOW: u32 = 20_000;
-    const SPAN: u32 = 12_000;
-    // Each test binary starts at its own offset and walks on from there.
-    static NEXT: AtomicU32 = AtomicU32::new(0);
-    let start = std::process::id() % SPAN;
-    loop {
-        let step = NEXT.fetch_add(1, Ordering::Relaxed) % SPAN;
-        let port = (LOW + (start + step * 7) % SPAN) as u16;
-        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
-            return port;
-        }
-    }
 }
 
 /// The virtualenv's Python (`$CRD_BROKER_PYTHON`, else `.venv`), once it can import `module`.

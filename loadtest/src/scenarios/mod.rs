@@ -13,5 +13,6 @@ pub mod fanout;
 pub mod granularity;
 pub mod identity;
 pub mod idle;
+pub mod peers;
 pub mod stalled;
 pub mod storm;
