@@ -23,6 +23,8 @@ use crate::registry::{DEFAULT_LINGER, Registry};
 use crate::source::{Source, SourceError};
 use crate::telemetry::{GrpcMethod, Known, Metrics};
 use crate::transport::{self, Serving};
+use crate::xds::{Drain, Xds};
+use envoy_types::pb::envoy::service::discovery::v3::aggregated_discovery_service_server::AggregatedDiscoveryServiceServer;
 
 /// How a broker behaves; the defaults are the command line's.
 #[derive(Debug, Clone)]
@@ -41,6 +43,8 @@ pub struct Config {
     pub access: access::Settings,
     /// Who may read the admin endpoints that tell what exists.
     pub admin: crate::ops::guard::Settings,
+    /// The xDS name resolver for the broker's own Service, if on (`--xds-service`).
+    pub xds: Option<crate::xds::Settings>,
 }
 
 /// The default `--max-watches`: each watch holds a connection to the API server, and a cluster
@@ -66,6 +70,14 @@ pub const METHODS: &[GrpcMethod] = &[
         "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
         "bidi_stream",
     ),
+    GrpcMethod::new(
+        "/envoy.service.discovery.v3.AggregatedDiscoveryService/StreamAggregatedResources",
+        "bidi_stream",
+    ),
+    GrpcMethod::new(
+        "/envoy.service.discovery.v3.AggregatedDiscoveryService/DeltaAggregatedResources",
+        "bidi_stream",
+    ),
 ];
 
 impl Default for Config {
@@ -78,6 +90,7 @@ impl Default for Config {
             max_watches: DEFAULT_MAX_WATCHES,
             access: access::Settings::default(),
             admin: crate::ops::guard::Settings::default(),
+            xds: None,
         }
     }
 }
@@ -119,6 +132,10 @@ pub struct Running<S> {
     pub readiness: Arc<Readiness>,
     /// Who may read what.
     pub access: Arc<Access>,
+    /// This replica's drain as its xDS server tells clients ([`Running::announce_drain`]).
+    pub drain: Drain,
+    /// How long the xDS drain notice lasts (zero with xDS off).
+    drain_notice: Duration,
     serving: Serving,
 }
 
@@ -201,12 +218,27 @@ impl<S: Source> Running<S> {
             access.clone(),
             shutdown.clone(),
         ));
-        let tonic_routes = tonic::service::Routes::new(health)
+        let drain = Drain::default();
+        let mut tonic_routes = tonic::service::Routes::new(health)
             .add_service(reflection)
             .add_service(reflection_alpha)
             .add_service(FlagSyncServiceServer::new(FlagdService(flagd.clone())))
-            .add_service(LegacyServer::new(LegacyService(flagd.clone())))
-            .prepare();
+            .add_service(LegacyServer::new(LegacyService(flagd.clone())));
+        let drain_notice = match config.xds {
+            Some(xds) => {
+                tonic_routes =
+                    tonic_routes.add_service(AggregatedDiscoveryServiceServer::new(Xds::new(
+                        xds.service,
+                        registry.clone(),
+                        access.clone(),
+                        drain.clone(),
+                        shutdown.clone(),
+                    )));
+                xds.drain_notice
+            }
+            None => Duration::ZERO,
+        };
+        let tonic_routes = tonic_routes.prepare();
         // The streams go out through `wire`: no buffer per stream, and an update of 8 KiB or
         // more sent as the same bytes to every subscriber. tonic serves the rest.
         let (flagd, legacy) = (
@@ -249,8 +281,18 @@ impl<S: Source> Running<S> {
             shutdown,
             readiness,
             access,
+            drain,
+            drain_notice,
             serving,
         })
+    }
+
+    /// Starts the xDS drain notice: from now on this replica's xDS server serves its own
+    /// address as DRAINING, so clients open no new streams here. Returns how long to keep
+    /// serving before [`Running::stop`] (zero with xDS off).
+    pub fn announce_drain(&self) -> Duration {
+        self.drain.start();
+        self.drain_notice
     }
 
     /// Drains: readiness and health go down, listeners close, every connection gets GOAWAY and

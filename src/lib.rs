@@ -11,6 +11,9 @@
 //! - [`grpc`] — the native and flagd services and the one mapping of errors to `Status`. A
 //!   request is validated ([`selector`] is the one place selectors are parsed), resolved through
 //!   the registry, and each resource's state streamed: at once, then on every change.
+//! - [`xds`] — the broker as its own xDS name resolver: state-of-the-world ADS serving the
+//!   ready replicas of its own Service from that Service's EndpointSlices, a set in the
+//!   registry (`--xds-service`).
 //! - [`access`] — who the caller is and what it may read: identity sources (peer pod, token,
 //!   certificate, mesh headers), the namespace policy, per-caller limits. Its per-connection
 //!   layer puts the caller into each request's extensions; the services ask it to admit requests.
@@ -49,6 +52,7 @@ pub mod selector;
 pub mod source;
 pub mod telemetry;
 pub mod transport;
+pub mod xds;
 pub mod yaml;
 
 /// Protobuf types, the generated clients (prost) and servers (pre-encoded streams).

@@ -72,7 +72,7 @@ fn node_client() -> tokio::process::Command {
         dir.display()
     );
     let mut node = tokio::process::Command::new("node");
-    node.arg(dir.join("dns_balance.js"))
+    node.arg(dir.join("balance.js"))
         .env("GRPC_NODE_USE_ALTERNATIVE_RESOLVER", "true");
     node
 }
@@ -82,7 +82,7 @@ fn grpcio_client() -> tokio::process::Command {
     python
         .arg(concat!(
             env!("CARGO_MANIFEST_DIR"),
-            "/tests/python/grpcio_dns_balance.py"
+            "/tests/python/grpcio_balance.py"
         ))
         .env("GRPC_DNS_RESOLVER", "ares");
     python

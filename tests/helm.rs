@@ -297,6 +297,90 @@ fn every_option_renders_and_stands_in_for_flagd_proxy() {
     assert_eq!(pod["volumes"][0]["secret"]["secretName"], "broker-tls");
 }
 
+/// `xds.enabled`: the flag for the headless Service, the right to watch its EndpointSlices (in
+/// its namespace only), and the clients' bootstrap, plain or over TLS.
+#[test]
+fn xds_serves_the_headless_service_and_renders_the_clients_bootstrap() {
+    let docs =
+        render(json!({ "xds": { "enabled": true, "drainNoticeSeconds": 3 } })).expect("renders");
+    check_types(&docs);
+    let serve = args_parse(&docs);
+    let service = serve.xds_service.expect("--xds-service");
+    let headless = kind(&docs, "Service")
+        .into_iter()
+        .find(|s| s["spec"]["clusterIP"] == "None")
+        .expect("the headless Service");
+    assert_eq!(service.name, headless["metadata"]["name"].as_str().unwrap());
+    assert_eq!(service.port, 8015);
+    assert_eq!(serve.xds_drain_notice, std::time::Duration::from_secs(3));
+    let role = kind(&docs, "Role")
+        .into_iter()
+        .find(|r| r["metadata"]["name"].as_str().unwrap().ends_with("-xds"))
+        .expect("a Role for the EndpointSlices");
+    assert!(
+        role["metadata"]["namespace"].is_null(),
+        "the release's namespace"
+    );
+    assert_eq!(
+        role["rules"],
+        json!([{ "apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["list", "watch"] }])
+    );
+    let binding = kind(&docs, "RoleBinding")
+        .into_iter()
+        .find(|r| r["roleRef"]["name"] == role["metadata"]["name"])
+        .expect("bound");
+    assert_eq!(binding["subjects"][0]["kind"], "ServiceAccount");
+    let map = kind(&docs, "ConfigMap")
+        .into_iter()
+        .find(|m| {
+            m["metadata"]["name"]
+                .as_str()
+                .unwrap()
+                .ends_with("-xds-bootstrap")
+        })
+        .expect("the bootstrap");
+    let bootstrap: Value = serde_json::from_str(map["data"]["bootstrap.json"].as_str().unwrap())
+        .expect("the bootstrap is JSON");
+    assert_eq!(
+        bootstrap["xds_servers"][0]["channel_creds"],
+        json!([{ "type": "insecure" }])
+    );
+    assert_eq!(
+        bootstrap["node"]["locality"],
+        json!({}),
+        "grpc-js-xds needs one"
+    );
+    assert_eq!(
+        map["data"]["target"],
+        format!("xds:///{}.{}:8015", service.name, service.namespace)
+    );
+    // Over TLS the clients verify the broker with the CA they are given.
+    let docs = render(json!({
+        "xds": { "enabled": true, "bootstrap": { "caCertificateFile": "/etc/ca/ca.crt" } },
+        "tls": { "enabled": true, "secretName": "broker-tls" },
+    }))
+    .expect("renders");
+    let map = kind(&docs, "ConfigMap")
+        .into_iter()
+        .find(|m| {
+            m["metadata"]["name"]
+                .as_str()
+                .unwrap()
+                .ends_with("-xds-bootstrap")
+        })
+        .unwrap();
+    let bootstrap: Value =
+        serde_json::from_str(map["data"]["bootstrap.json"].as_str().unwrap()).unwrap();
+    assert_eq!(
+        bootstrap["xds_servers"][0]["channel_creds"],
+        json!([{ "type": "tls", "config": { "ca_certificate_file": "/etc/ca/ca.crt" } }])
+    );
+    // Off by default: no flag, no rights, no bootstrap.
+    let docs = render(json!({})).unwrap();
+    assert!(args_parse(&docs).xds_service.is_none());
+    assert!(kind(&docs, "ConfigMap").is_empty());
+}
+
 #[test]
 fn wrong_values_are_refused_with_a_reason() {
     let err = render(json!({ "terminationGracePeriodSeconds": 10 })).unwrap_err();
@@ -308,6 +392,19 @@ fn wrong_values_are_refused_with_a_reason() {
     );
     let err = render(json!({ "tls": { "enabled": true } })).unwrap_err();
     assert!(err.contains("tls.secretName is required"), "{err}");
+    // The xDS drain notice is part of the drain Kubernetes must wait for.
+    let err = render(json!({
+        "terminationGracePeriodSeconds": 26,
+        "xds": { "enabled": true, "drainNoticeSeconds": 5 },
+    }))
+    .unwrap_err();
+    assert!(err.contains("xds.drainNoticeSeconds"), "{err}");
+    let err = render(json!({
+        "xds": { "enabled": true },
+        "headlessService": { "enabled": false },
+    }))
+    .unwrap_err();
+    assert!(err.contains("set headlessService.enabled"), "{err}");
     let err = render(json!({ "access": { "identity": "mtls" } })).unwrap_err();
     assert!(err.contains("needs client certificates"), "{err}");
     let err = render(json!({ "access": { "identity": "peer-pod,mesh" } })).unwrap_err();

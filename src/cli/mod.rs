@@ -285,6 +285,15 @@ pub struct Serve {
     /// states while the API server is unreachable or failing (`0`: not at all).
     #[arg(long, env = "CRD_BROKER_MAX_STALENESS", default_value = "5m", value_parser = humantime::parse_duration)]
     pub max_staleness: Duration,
+    /// Serve xDS (ADS) for this Service, `NAME.NAMESPACE:PORT`: clients with an
+    /// `xds:///NAME.NAMESPACE:PORT` target learn its ready replicas from its EndpointSlices as
+    /// they change (ADR 0023). Off when unset.
+    #[arg(long, env = "CRD_BROKER_XDS_SERVICE")]
+    pub xds_service: Option<crate::xds::XdsService>,
+    /// With `--xds-service`: on SIGTERM, how long this replica serves its own address as
+    /// DRAINING to xDS clients before it ends its streams.
+    #[arg(long, env = "CRD_BROKER_XDS_DRAIN_NOTICE", default_value = "2s", value_parser = humantime::parse_duration)]
+    pub xds_drain_notice: Duration,
     /// Whether the broker speaks HTTP/2 to the API server: `auto` does when the API server
     /// offers it over TLS, sharing each connection among up to its stream limit (100) of
     /// watches; `off` speaks HTTP/1.1, one connection per watch.
@@ -569,6 +578,13 @@ impl Serve {
                 api: None,
                 client_certificates: self.tls_client_ca.is_some(),
             },
+            xds: self
+                .xds_service
+                .clone()
+                .map(|service| crate::xds::Settings {
+                    service,
+                    drain_notice: self.xds_drain_notice,
+                }),
         }
     }
 
@@ -674,6 +690,20 @@ async fn run_until_signal<S: Source>(
     );
     let signals = Arc::new(crate::ops::shutdown::Signals::new()?);
     signals.next().await;
+    let notice = running.announce_drain();
+    if !notice.is_zero() {
+        tracing::info!(
+            ?notice,
+            "draining: xDS clients are told this replica is DRAINING"
+        );
+        tokio::select! {
+            _ = tokio::time::sleep(notice) => {}
+            _ = signals.next() => {
+                tracing::warn!("second signal: exiting now");
+                std::process::exit(130);
+            }
+        }
+    }
     tracing::info!(
         ?grace,
         "draining: not ready, GOAWAY to every connection, streams end with UNAVAILABLE"

@@ -166,6 +166,15 @@ pub struct Members {
 }
 
 impl Members {
+    /// A set listed with `objects` (keyed as [`Set::key`] keys them).
+    pub fn listed(objects: BTreeMap<String, Arc<Update>>) -> Members {
+        Members {
+            synced: true,
+            objects: Arc::new(objects),
+            ..Members::default()
+        }
+    }
+
     /// The form in `slot` made from every member, made with `make` the first time it is asked
     /// for in this state of the set.
     pub fn wire(&self, slot: usize, make: impl FnOnce(&Members) -> Bytes) -> Wire {

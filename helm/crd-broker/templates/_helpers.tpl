@@ -37,3 +37,8 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- default "default" .Values.serviceAccount.name }}
 {{- end }}
 {{- end }}
+
+{{/* The headless Service's name: what xDS clients name in their target. */}}
+{{- define "crd-broker.headlessName" -}}
+{{- default (printf "%s-headless" (include "crd-broker.fullname" .)) .Values.headlessService.name }}
+{{- end }}

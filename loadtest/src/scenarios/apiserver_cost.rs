@@ -298,6 +298,9 @@ async fn row(run: &Run, mode: &str, n: usize) -> anyhow::Result<Row> {
     let delta = |i: usize| apf_after[i] - apf_before[i];
     let mean = |sum: f64, count: f64| if count > 0.0 { sum / count } else { 0.0 };
 
+    // Errors while measuring: read before the teardown, where a stream that sees its broker
+    // go before its task sees the stop would count one.
+    let errors = recorder.errors.load(Ordering::Relaxed);
     trigger.stop();
     for broker in brokers {
         broker.stop().await;
@@ -320,7 +323,7 @@ async fn row(run: &Run, mode: &str, n: usize) -> anyhow::Result<Row> {
         writes: seq,
         write_to_all: recorder.completions().summary(),
         lost: n - on_last(&recorder),
-        errors: recorder.errors.load(Ordering::Relaxed),
+        errors,
         retries: recorder.retries.load(Ordering::Relaxed),
         seats_per_write: mean(delta(0), delta(1)),
         watchers_per_write: mean(delta(2), delta(3)),

@@ -1,13 +1,16 @@
-// The real grpc-go client balancing crd-broker streams as a headless Service is balanced:
-// grpc.NewClient with a `dns:` target and the round_robin policy.
+// The real grpc-go client balancing crd-broker streams over replicas with the round_robin
+// policy: grpc.NewClient with a `dns:` target, as a headless Service is balanced, or an `xds:`
+// target whose replicas the broker's xDS server pushes (the bootstrap in
+// GRPC_XDS_BOOTSTRAP_CONFIG; grpc-go's documented switch is the xds import below).
 //
-// Usage: grpc-go-client TARGET STREAMS REQUEST_HEX MIN_RESOLUTION_MS
+// Usage: grpc-go-client TARGET STREAMS REQUEST_HEX MIN_RESOLUTION_MS [HOLD_MS]
 //
 // Opens STREAMS Subscribe streams (the serialized SubscribeRequest REQUEST_HEX, sent as raw
 // bytes) on one channel to TARGET, once it is connected, 20 ms apart, and opens each again
 // 100 ms after it ends, as a client that follows the broker's UNAVAILABLE does. Prints one JSON
 // line per stream end ({"ended": code}) and runs until stdin closes. MIN_RESOLUTION_MS is the
-// DNS resolver's minimum time between resolutions (0: grpc-go's default, 30 s).
+// DNS resolver's minimum time between resolutions (0: grpc-go's default, 30 s). With HOLD_MS,
+// each stream is cancelled after that long (and opened again), so new streams keep coming.
 package main
 
 import (
@@ -27,6 +30,7 @@ import (
 	"google.golang.org/grpc/mem"
 	"google.golang.org/grpc/resolver/dns"
 	"google.golang.org/grpc/status"
+	_ "google.golang.org/grpc/xds"
 )
 
 const method = "/crdbroker.v1.Broker/Subscribe"
@@ -55,11 +59,15 @@ func say(v any) {
 }
 
 // follow opens the stream, reads it to its end, and opens it again 100 ms later.
-func follow(conn *grpc.ClientConn, request []byte) {
+func follow(conn *grpc.ClientConn, request []byte, hold time.Duration) {
 	desc := &grpc.StreamDesc{ServerStreams: true}
 	for {
 		code := "OK"
-		stream, err := conn.NewStream(context.Background(), desc, method,
+		ctx, cancel := context.Background(), context.CancelFunc(func() {})
+		if hold > 0 {
+			ctx, cancel = context.WithTimeout(ctx, hold)
+		}
+		stream, err := conn.NewStream(ctx, desc, method,
 			grpc.ForceCodecV2(raw{}), grpc.WaitForReady(true))
 		if err == nil {
 			err = stream.SendMsg(&request)
@@ -74,15 +82,25 @@ func follow(conn *grpc.ClientConn, request []byte) {
 		if err != io.EOF {
 			code = status.Code(err).String()
 		}
+		cancel()
 		say(map[string]string{"ended": code})
 		time.Sleep(100 * time.Millisecond)
 	}
 }
 
 func main() {
-	if len(os.Args) != 5 {
-		fmt.Fprintln(os.Stderr, "usage: grpc-go-client TARGET STREAMS REQUEST_HEX MIN_RESOLUTION_MS")
+	if len(os.Args) != 5 && len(os.Args) != 6 {
+		fmt.Fprintln(os.Stderr, "usage: grpc-go-client TARGET STREAMS REQUEST_HEX MIN_RESOLUTION_MS [HOLD_MS]")
 		os.Exit(2)
+	}
+	var hold time.Duration
+	if len(os.Args) == 6 {
+		ms, err := strconv.Atoi(os.Args[5])
+		if err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			os.Exit(2)
+		}
+		hold = time.Duration(ms) * time.Millisecond
 	}
 	target := os.Args[1]
 	streams, err1 := strconv.Atoi(os.Args[2])
@@ -117,7 +135,7 @@ func main() {
 	cancel()
 	time.Sleep(300 * time.Millisecond)
 	for i := 0; i < streams; i++ {
-		go follow(conn, request)
+		go follow(conn, request, hold)
 		time.Sleep(20 * time.Millisecond)
 	}
 	say(map[string]int{"started": streams})

@@ -1,18 +1,25 @@
-// The real @grpc/grpc-js client balancing crd-broker streams as a headless Service is
-// balanced: a `dns:` target and `round_robin` (the test sets GRPC_NODE_USE_ALTERNATIVE_RESOLVER,
-// without which grpc-js ignores a DNS server named in the target).
+// The real @grpc/grpc-js client balancing crd-broker streams over replicas with `round_robin`:
+// a `dns:` target, as a headless Service is balanced (the test sets
+// GRPC_NODE_USE_ALTERNATIVE_RESOLVER, without which grpc-js ignores a DNS server named in the
+// target), or an `xds:` target whose replicas the broker's xDS server pushes (the bootstrap in
+// GRPC_XDS_BOOTSTRAP_CONFIG; grpc-js's documented switch is @grpc/grpc-js-xds's register()).
 //
-// Usage: node dns_balance.js TARGET STREAMS REQUEST_HEX MIN_RESOLUTION_MS
+// Usage: node balance.js TARGET STREAMS REQUEST_HEX MIN_RESOLUTION_MS [HOLD_MS]
 //
 // Opens STREAMS Subscribe streams (the serialized SubscribeRequest REQUEST_HEX, sent as raw
 // bytes) on one channel to TARGET, once it is connected, 20 ms apart, and opens each again
 // 100 ms after it ends. Prints one JSON line per stream end and runs until stdin closes.
-// MIN_RESOLUTION_MS is `grpc.dns_min_time_between_resolutions_ms` (0: the default, 30 s).
+// MIN_RESOLUTION_MS is `grpc.dns_min_time_between_resolutions_ms` (0: the default, 30 s). With
+// HOLD_MS, each stream is cancelled after that long (and opened again), so new streams keep
+// coming.
 'use strict';
 
 const grpc = require('@grpc/grpc-js');
 
-const [target, streamsArg, requestHex, minResolution] = process.argv.slice(2);
+const [target, streamsArg, requestHex, minResolution, holdMs] = process.argv.slice(2);
+if (target.startsWith('xds:')) {
+  require('@grpc/grpc-js-xds').register();
+}
 const options = {
   'grpc.service_config': JSON.stringify({ loadBalancingConfig: [{ round_robin: {} }] }),
 };
@@ -32,6 +39,9 @@ function follow() {
     new grpc.Metadata(),
     { waitForReady: true },
   );
+  if (Number(holdMs) > 0) {
+    setTimeout(() => call.cancel(), Number(holdMs));
+  }
   call.on('data', () => {});
   call.on('error', () => {});
   call.on('status', (status) => {
