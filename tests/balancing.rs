@@ -15,7 +15,7 @@ use crd_broker::broker::{Config, Listeners, Running};
 use crd_broker::source::kubernetes::Kubernetes;
 use fake_apiserver::FakeApiServer;
 use prost::Message;
-use support::dns::Dns;
+use support::control_plane::dns::Dns;
 use support::*;
 use tokio::net::TcpListener;
 

@@ -194,7 +194,7 @@ async fn flagd_follows_the_other_replica_when_the_one_it_uses_is_lost() {
         replicas.push(Some(plane.deploy(&ns, values(&ns, at)).await));
     }
     let ips = [Ipv4Addr::new(127, 0, 0, 2), Ipv4Addr::new(127, 0, 0, 3)];
-    let dns = support::dns::Dns::start("broker.test", &ips).await;
+    let dns = dns::Dns::start("broker.test", &ips).await;
     let uri = format!("dns://{}/broker.test:{port}", dns.addr);
     let mut flagd = Flagd::start(json!([source(&uri, &ns, "demo")])).await;
     flagd.until("f", json!(true), Duration::from_secs(30)).await;

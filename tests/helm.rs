@@ -297,6 +297,22 @@ fn every_option_renders_and_stands_in_for_flagd_proxy() {
     assert_eq!(pod["volumes"][0]["secret"]["secretName"], "broker-tls");
 }
 
+/// The xDS bootstrap ConfigMap the chart renders, and its `bootstrap.json`.
+fn xds_bootstrap(docs: &[Value]) -> (Value, Value) {
+    let map = kind(docs, "ConfigMap")
+        .into_iter()
+        .find(|m| {
+            m["metadata"]["name"]
+                .as_str()
+                .unwrap()
+                .ends_with("-xds-bootstrap")
+        })
+        .expect("the bootstrap");
+    let text = map["data"]["bootstrap.json"].as_str().unwrap();
+    let bootstrap = serde_json::from_str(text).expect("the bootstrap is JSON");
+    (map.clone(), bootstrap)
+}
+
 /// `xds.enabled`: the flag for the headless Service, the right to watch its EndpointSlices (in
 /// its namespace only), and the clients' bootstrap, plain or over TLS.
 #[test]
@@ -330,17 +346,7 @@ fn xds_serves_the_headless_service_and_renders_the_clients_bootstrap() {
         .find(|r| r["roleRef"]["name"] == role["metadata"]["name"])
         .expect("bound");
     assert_eq!(binding["subjects"][0]["kind"], "ServiceAccount");
-    let map = kind(&docs, "ConfigMap")
-        .into_iter()
-        .find(|m| {
-            m["metadata"]["name"]
-                .as_str()
-                .unwrap()
-                .ends_with("-xds-bootstrap")
-        })
-        .expect("the bootstrap");
-    let bootstrap: Value = serde_json::from_str(map["data"]["bootstrap.json"].as_str().unwrap())
-        .expect("the bootstrap is JSON");
+    let (map, bootstrap) = xds_bootstrap(&docs);
     assert_eq!(
         bootstrap["xds_servers"][0]["channel_creds"],
         json!([{ "type": "insecure" }])
@@ -360,17 +366,7 @@ fn xds_serves_the_headless_service_and_renders_the_clients_bootstrap() {
         "tls": { "enabled": true, "secretName": "broker-tls" },
     }))
     .expect("renders");
-    let map = kind(&docs, "ConfigMap")
-        .into_iter()
-        .find(|m| {
-            m["metadata"]["name"]
-                .as_str()
-                .unwrap()
-                .ends_with("-xds-bootstrap")
-        })
-        .unwrap();
-    let bootstrap: Value =
-        serde_json::from_str(map["data"]["bootstrap.json"].as_str().unwrap()).unwrap();
+    let (_, bootstrap) = xds_bootstrap(&docs);
     assert_eq!(
         bootstrap["xds_servers"][0]["channel_creds"],
         json!([{ "type": "tls", "config": { "ca_certificate_file": "/etc/ca/ca.crt" } }])

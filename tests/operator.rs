@@ -24,6 +24,7 @@ use crd_broker::pb::flagd;
 use crd_broker::pb::flagd::flag_sync_service_client::FlagSyncServiceClient;
 use serde_json::{Value, json};
 use support::chart::{container, render};
+use support::control_plane::dns;
 use support::flagd::Flagd;
 use support::*;
 use tokio::process::{Child, Command};

@@ -20,6 +20,7 @@ use std::time::{Duration, Instant};
 
 use prost::Message;
 use serde_json::{Value, json};
+use support::control_plane::endpoints::{endpoint_slice, endpoint_slice_kind};
 use support::control_plane::*;
 use support::*;
 
@@ -84,69 +85,20 @@ impl Replica {
     }
 }
 
-/// The EndpointSlice kind on the fake, which knows only the kinds it is given.
-fn endpoint_slice_kind() -> Value {
-    json!({
-        "apiVersion": "apiextensions.k8s.io/v1",
-        "kind": "CustomResourceDefinition",
-        "metadata": { "name": "endpointslices.discovery.k8s.io" },
-        "spec": {
-            "group": "discovery.k8s.io",
-            "scope": "Namespaced",
-            "names": { "plural": "endpointslices", "singular": "endpointslice", "kind": "EndpointSlice" },
-            "versions": [{
-                "name": "v1", "served": true, "storage": true,
-                "schema": { "openAPIV3Schema": { "type": "object", "x-kubernetes-preserve-unknown-fields": true } },
-            }],
-        },
-    })
-}
-
-/// The headless Service `service`'s EndpointSlice in `ns` as the controller writes it: `ready`
-/// replicas on 127.0.0.N (or `base`.N), and `terminating` ones.
-fn slice(
-    ns: &str,
-    service: &str,
-    base: [u8; 3],
-    port: u16,
-    ready: &[u8],
-    terminating: &[u8],
-) -> Value {
-    let endpoint = |last: &u8, ready: bool| {
-        let [a, b, c] = base;
-        json!({
-            "addresses": [Ipv4Addr::new(a, b, c, *last).to_string()],
-            "conditions": { "ready": ready, "serving": ready, "terminating": !ready },
-        })
-    };
-    let endpoints: Vec<Value> = ready
-        .iter()
-        .map(|l| endpoint(l, true))
-        .chain(terminating.iter().map(|l| endpoint(l, false)))
-        .collect();
-    json!({
-        "apiVersion": "discovery.k8s.io/v1",
-        "kind": "EndpointSlice",
-        "metadata": {
-            "name": format!("{service}-abcde"),
-            "namespace": ns,
-            "labels": { "kubernetes.io/service-name": service },
-        },
-        "addressType": "IPv4",
-        "endpoints": endpoints,
-        "ports": [{ "name": "grpc", "port": port, "protocol": "TCP" }],
-    })
-}
-
-/// [`slice`] of the replicas here, on loopback.
+/// The replicas' EndpointSlice: `ready` and `terminating` replicas on 127.0.0.N.
 fn replicas_slice(port: u16, ready: &[u8], terminating: &[u8]) -> Value {
-    slice(
+    let ips = |lasts: &[u8]| {
+        lasts
+            .iter()
+            .map(|l| Ipv4Addr::new(127, 0, 0, *l))
+            .collect::<Vec<_>>()
+    };
+    endpoint_slice(
         NS,
         &format!("{RELEASE}-headless"),
-        [127, 0, 0],
         port,
-        ready,
-        terminating,
+        &ips(ready),
+        &ips(terminating),
     )
 }
 
@@ -416,8 +368,14 @@ mod protocol {
         let (ns, group, _) = widget_world(plane, "xds-protocol").await;
         let headless = format!("{ns}-headless");
         let port = free_port();
+        let ips = |lasts: &[u8]| {
+            lasts
+                .iter()
+                .map(|l| Ipv4Addr::new(10, 0, 0, *l))
+                .collect::<Vec<_>>()
+        };
         let at = |ready: &[u8], terminating: &[u8]| {
-            slice(&ns, &headless, [10, 0, 0], port, ready, terminating)
+            endpoint_slice(&ns, &headless, port, &ips(ready), &ips(terminating))
         };
         plane.apply(&[at(&[2, 3], &[])]).await;
         // The chart's install, under its RBAC: the EndpointSlices are the broker's to watch.

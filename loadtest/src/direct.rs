@@ -1,9 +1,10 @@
 //! A sidecar that watches its CR on the API server itself, as an informer in each pod does
 //! (flagd's own Kubernetes sync, a client-go informer): its own TLS connection speaking HTTP/2
 //! (client-go's default), its own bearer token, and the reflector's two requests — a LIST of
-//! the one object (`fieldSelector=metadata.name=NAME`), then a WATCH from the list's
-//! resourceVersion with bookmarks and client-go's timeout (5 to 10 minutes), watched again
-//! from the last resourceVersion when the server ends it, listed again on 410 Gone.
+//! the one object (`fieldSelector=metadata.name=NAME`) or of the objects a label selector
+//! picks (a resolver's EndpointSlices), then a WATCH from the list's resourceVersion with
+//! bookmarks and client-go's timeout (5 to 10 minutes), watched again from the last
+//! resourceVersion when the server ends it, listed again on 410 Gone.
 
 use std::net::SocketAddr;
 use std::path::Path;
@@ -117,17 +118,34 @@ async fn read_all(body: &mut h2::RecvStream) -> anyhow::Result<Vec<u8>> {
     Ok(out)
 }
 
-/// One sidecar following `name`: lists it, times that first state, then watches it and
+/// What a sidecar follows: the object `name`, or the objects the label selector picks.
+pub fn by_name(name: &str) -> String {
+    format!("fieldSelector=metadata.name%3D{name}")
+}
+
+/// [`by_name`] for the objects with the label `key=value`.
+pub fn by_label(key: &str, value: &str) -> String {
+    format!("labelSelector={}%3D{value}", key.replace('/', "%2F"))
+}
+
+/// One sidecar following `selector` ([`by_name`], [`by_label`]): lists it, times that first
+/// state, then watches it and
 /// records every update into `recorder` as subscriber `slot`, until `stop`. On an error (a
 /// refused connection, a 429 from Priority and Fairness, a 5xx) it waits and starts over on a
 /// new connection, as the reflector does: 800 ms doubling to 30 s, with jitter.
-pub async fn follow(api: Arc<Api>, name: String, slot: usize, recorder: Arc<Recorder>, stop: Stop) {
+pub async fn follow(
+    api: Arc<Api>,
+    selector: String,
+    slot: usize,
+    recorder: Arc<Recorder>,
+    stop: Stop,
+) {
     let started = Instant::now();
     let mut backoff = Duration::from_millis(800);
     loop {
         tokio::select! {
             _ = stop.wait() => return,
-            result = run(&api, &name, slot, &recorder, started) => {
+            result = run(&api, &selector, slot, &recorder, started) => {
                 if let Err(e) = result
                     && recorder.retries.fetch_add(1, Ordering::Relaxed) == 0
                 {
@@ -144,15 +162,37 @@ pub async fn follow(api: Arc<Api>, name: String, slot: usize, recorder: Arc<Reco
     }
 }
 
+/// `n` sidecars, sidecar `i` following `selector(i)` as subscriber `i`, started as pods start:
+/// over time, 50 every 100 ms.
+pub async fn start(
+    api: Arc<Api>,
+    n: usize,
+    selector: impl Fn(usize) -> String,
+    recorder: &Arc<Recorder>,
+    stop: &Stop,
+) {
+    for i in 0..n {
+        tokio::spawn(follow(
+            api.clone(),
+            selector(i),
+            i,
+            recorder.clone(),
+            stop.clone(),
+        ));
+        if i % 50 == 49 {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+}
+
 async fn run(
     api: &Api,
-    name: &str,
+    selector: &str,
     slot: usize,
     recorder: &Recorder,
     started: Instant,
 ) -> anyhow::Result<()> {
     let mut send = api.connect().await?;
-    let selector = format!("fieldSelector=metadata.name%3D{name}");
     let mut first = recorder.last_rv[slot]
         .lock()
         .map(|rv| rv.is_empty())
@@ -160,7 +200,7 @@ async fn run(
     loop {
         let (status, mut body) = api.get(&mut send, &format!("{selector}&limit=500")).await?;
         let list: serde_json::Value = serde_json::from_slice(&read_all(&mut body).await?)?;
-        anyhow::ensure!(status.is_success(), "LIST {name}: {status}");
+        anyhow::ensure!(status.is_success(), "LIST {selector}: {status}");
         let mut rv = list["metadata"]["resourceVersion"]
             .as_str()
             .context("a list has a resourceVersion")?
@@ -182,7 +222,7 @@ async fn run(
             if status == http::StatusCode::GONE {
                 break;
             }
-            anyhow::ensure!(status.is_success(), "WATCH {name}: {status}");
+            anyhow::ensure!(status.is_success(), "WATCH {selector}: {status}");
             match watch(&mut body, slot, recorder, &mut rv).await? {
                 Ended::Closed => continue,
                 Ended::Gone => break,

@@ -279,6 +279,28 @@ pub(crate) const WRITER_FLOW: &str = "crd-broker-writer";
 /// The RoleBinding that lets the broker read FeatureFlags on a real control plane.
 pub(crate) const BROKER_BINDING: &str = "broker-reads";
 
+/// A real control plane of the caller's own (`scripts/control-plane up`), started off the
+/// runtime (the script blocks); it stops when dropped.
+pub(crate) async fn own_plane() -> anyhow::Result<control_plane::ControlPlane> {
+    tokio::task::spawn_blocking(|| control_plane::start("127.0.0.1"))
+        .await
+        .map_err(|e| anyhow::anyhow!("scripts/control-plane up failed: {e}"))
+}
+
+/// The kube-apiserver of `plane`: its process id and its port.
+pub(crate) fn apiserver(plane: &control_plane::ControlPlane) -> anyhow::Result<(u32, u16)> {
+    let pid = plane
+        .pid(control_plane::Component::ApiServer)
+        .context("kube-apiserver runs")?;
+    let port = plane
+        .server
+        .rsplit(':')
+        .next()
+        .and_then(|p| p.parse().ok())
+        .context("the API server's port")?;
+    Ok((pid, port))
+}
+
 /// A real control plane's world: the FeatureFlag CRD, `crs` flags in `default`, and three
 /// ServiceAccounts there — `sidecar` and `broker` may read FeatureFlags (a Role and a
 /// RoleBinding each), `writer` may patch them and has a FlowSchema of its own at the

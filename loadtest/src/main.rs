@@ -67,8 +67,10 @@ pub struct Run {
     /// watching their CRs themselves cost a real kube-apiserver, against one broker and three
     /// replicas; needs Go or a cached control plane, so `all` leaves it out), `peers` (crd-broker
     /// beside the flagd daemon as a relay, the nearest peer that can be built here, on one real
-    /// control plane with the same CRs and flagd sync subscribers; also left out of `all`), or
-    /// `all`.
+    /// control plane with the same CRs and flagd sync subscribers; also left out of `all`),
+    /// `resolvers` (clients watching the headless Service's EndpointSlices themselves, as
+    /// kuberesolver does, against clients asking the broker over xDS; a real control plane,
+    /// left out of `all`), or `all`.
     #[arg(long, value_delimiter = ',', default_value = "all")]
     pub scenario: Vec<String>,
     /// A tiny configuration of every scenario (a few seconds), for CI.
@@ -155,6 +157,19 @@ pub struct Run {
     /// How long subscribers come and go (with the writes going on) in the peers scenario.
     #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
     pub peers_churn: Duration,
+    /// Clients resolving the replicas in the resolvers scenario, one row per mode at each.
+    #[arg(long, value_delimiter = ',', default_value = "1000")]
+    pub resolvers_clients: Vec<usize>,
+    /// How long the resolvers scenario's clients sit idle before the API server is measured.
+    #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
+    pub resolvers_idle: Duration,
+    /// The replicas' `--max-connection-age` while the resolvers scenario times how soon a
+    /// client's new streams follow them (`dns:///` re-resolves only when a connection ends).
+    #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
+    pub resolvers_age: Duration,
+    /// How long the resolvers scenario waits for new streams to follow a change of replicas.
+    #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
+    pub resolvers_window: Duration,
     /// The broker binary (default: `crd-broker` next to this binary).
     #[arg(long)]
     pub broker_bin: Option<PathBuf>,
@@ -187,12 +202,16 @@ impl Run {
         self.peers_idle = Duration::from_secs(2);
         self.peers_writes = Duration::from_secs(3);
         self.peers_churn = Duration::from_secs(3);
+        self.resolvers_clients = vec![50];
+        self.resolvers_idle = Duration::from_secs(1);
+        self.resolvers_age = Duration::from_secs(3);
+        self.resolvers_window = Duration::from_secs(8);
         self
     }
 
     fn wants(&self, scenario: &str) -> bool {
         // `all` means the scenarios on the fake; the real control plane's are asked for by name.
-        let all = !matches!(scenario, "apiserver-cost" | "peers");
+        let all = !matches!(scenario, "apiserver-cost" | "peers" | "resolvers");
         self.scenario
             .iter()
             .any(|s| s == scenario || (all && s == "all"))

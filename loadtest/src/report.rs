@@ -18,6 +18,7 @@ use crate::scenarios::granularity::Granularity;
 use crate::scenarios::identity::Identity;
 use crate::scenarios::idle::Idle;
 use crate::scenarios::peers::{self, Peers};
+use crate::scenarios::resolvers::{self, Resolvers};
 use crate::scenarios::stalled::Stalled;
 use crate::scenarios::storm::Storm;
 
@@ -120,6 +121,8 @@ pub struct Results {
     pub apiserver_cost: Option<ApiserverCost>,
     /// crd-broker beside the flagd daemon as a relay, on a real API server.
     pub peers: Option<Peers>,
+    /// Resolving the replicas: kuberesolver-style clients against xDS through the broker.
+    pub resolvers: Option<Resolvers>,
     /// Broker ÷ bare.
     pub ratios: Ratios,
 }
@@ -170,6 +173,7 @@ impl Results {
             attacks: None,
             apiserver_cost: None,
             peers: None,
+            resolvers: None,
             ratios: Ratios::default(),
         }
     }
@@ -481,6 +485,9 @@ pub fn markdown(r: &Results) -> String {
     }
     if let Some(p) = &r.peers {
         s += &peers::markdown(p);
+    }
+    if let Some(x) = &r.resolvers {
+        s += &resolvers::markdown(x);
     }
     s
 }

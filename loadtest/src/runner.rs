@@ -4,7 +4,7 @@ use anyhow::Context;
 
 use crate::scenarios::{
     apiserver_cost, attacks, churn, coldstart, connections, failover, fanout, granularity,
-    identity, idle, peers, stalled, storm,
+    identity, idle, peers, resolvers, stalled, storm,
 };
 use crate::{Run, report, stats};
 
@@ -18,6 +18,11 @@ pub async fn run_all(run: Run) -> anyhow::Result<()> {
     } as u64;
     if run.wants("apiserver-cost") {
         let most = run.cost_sidecars.iter().copied().max().unwrap_or(0) as u64;
+        sockets = sockets.max(most);
+    }
+    if run.wants("resolvers") {
+        // Every client on a connection of its own.
+        let most = run.resolvers_clients.iter().copied().max().unwrap_or(0) as u64;
         sockets = sockets.max(most);
     }
     if run.wants("peers") {
@@ -117,6 +122,13 @@ pub async fn run_all(run: Run) -> anyhow::Result<()> {
     }
     if run.wants("peers") {
         results.peers = Some(peers::peers(&run).await.context("the peers scenario")?);
+    }
+    if run.wants("resolvers") {
+        results.resolvers = Some(
+            resolvers::resolvers(&run)
+                .await
+                .context("the resolvers scenario")?,
+        );
     }
     results.compute_ratios();
     let summary = report::write(&run.out, &results)?;

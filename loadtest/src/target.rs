@@ -115,7 +115,8 @@ impl Target {
     ) -> anyhow::Result<Target> {
         let mut attempt = 1;
         loop {
-            match Self::launch_once(bin, kubeconfig, args, env, log.stdio()?).await {
+            let grpc: SocketAddr = ([127, 0, 0, 1], control_plane::free_port()).into();
+            match Self::launch_once(bin, kubeconfig, grpc, args, env, log.stdio()?).await {
                 Err(e) if attempt < LAUNCHES => {
                     eprintln!("the broker did not start ({e:#}); again on other ports");
                     attempt += 1;
@@ -125,15 +126,26 @@ impl Target {
         }
     }
 
+    /// A replica of a headless Service: the broker binary with gRPC on `grpc` (replicas share
+    /// a port on addresses of their own), its admin port on the same address, with `args`.
+    pub async fn replica(
+        bin: &Path,
+        kubeconfig: &Path,
+        grpc: SocketAddr,
+        args: &[&str],
+    ) -> anyhow::Result<Target> {
+        Self::launch_once(bin, kubeconfig, grpc, args, &[], Log::Inherit.stdio()?).await
+    }
+
     async fn launch_once(
         bin: &Path,
         kubeconfig: &Path,
+        grpc: SocketAddr,
         args: &[&str],
         env: &[(&str, &str)],
         log: Stdio,
     ) -> anyhow::Result<Target> {
-        let grpc: SocketAddr = ([127, 0, 0, 1], control_plane::free_port()).into();
-        let admin: SocketAddr = ([127, 0, 0, 1], control_plane::free_port()).into();
+        let admin = SocketAddr::new(grpc.ip(), control_plane::free_port());
         let child = Command::new(bin)
             .args([
                 "serve",

@@ -321,6 +321,39 @@ fn the_peers_smoke_runs_flagd_and_the_broker_side_by_side_on_a_real_api_server()
 }
 
 #[test]
+fn the_resolvers_smoke_counts_a_watch_per_kuberesolver_client_and_one_through_xds() {
+    let out =
+        std::env::temp_dir().join(format!("crd-broker-resolvers-smoke-{}", std::process::id()));
+    let status = harness(&["--scenario", "resolvers", "--smoke"], &out);
+    assert!(status.success());
+    let results: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("results.json")).unwrap()).unwrap();
+    let rows = results["resolvers"]["rows"].as_array().unwrap();
+    let row = |mode: &str| {
+        rows.iter()
+            .find(|r| r["mode"] == mode)
+            .unwrap_or_else(|| panic!("a {mode} row: {rows:?}"))
+    };
+    // The smoke run: 50 clients each way; every one learns the fourth replica.
+    for r in rows {
+        assert_eq!(r["clients"], 50, "{r}");
+        assert_eq!(r["lost"], 0, "{r}");
+        assert!(r["change_seconds"].as_f64().is_some(), "{r}");
+    }
+    assert_eq!(row("kuberesolver")["watches"], 50.0, "a watch per client");
+    assert_eq!(row("xds")["watches"], 1.0, "one watch for them all");
+    // Then the real grpc-go client over dns:/// and xds:///: through xDS a fourth replica takes
+    // new streams within the window.
+    let follow = results["resolvers"]["follow"].as_array().unwrap();
+    assert_eq!(follow.len(), 2, "{follow:?}");
+    let xds = follow.iter().find(|f| f["resolver"] == "xds").unwrap();
+    assert!(xds["joined_seconds"].as_f64().is_some(), "{xds}");
+    let summary = std::fs::read_to_string(out.join("summary.md")).unwrap();
+    assert!(summary.contains("| 50 clients | 50× |"), "{summary}");
+    std::fs::remove_dir_all(&out).ok();
+}
+
+#[test]
 fn a_short_seeded_soak_on_a_real_control_plane_meets_every_real_fault_and_loses_nothing() {
     let out = std::env::temp_dir().join(format!("crd-broker-soak-real-{}", std::process::id()));
     let status = harness(&["soak", "--real", "--smoke", "--seed", "23"], &out);

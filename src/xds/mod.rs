@@ -33,7 +33,7 @@ use tonic::{Request, Response, Status, Streaming};
 use crate::access::{Access, Caller};
 use crate::conn::{Peer, PeerAddr, canonical_ip};
 use crate::registry::{Members, Registry, Subscription};
-use crate::selector::KindRef;
+use crate::selector::{KindRef, is_dns_label};
 use crate::source::{Set, Source};
 
 /// The Service whose replicas the xDS server serves: `NAME.NAMESPACE:PORT`.
@@ -112,18 +112,10 @@ impl FromStr for XdsService {
             .filter(|p| *p != 0)
             .ok_or_else(|| err("the port is not a number from 1 to 65535"))?;
         let (name, namespace) = host.split_once('.').ok_or_else(|| err("no namespace"))?;
-        let label = |s: &str| {
-            !s.is_empty()
-                && s.len() <= 63
-                && s.bytes()
-                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-                && !s.starts_with('-')
-                && !s.ends_with('-')
-        };
-        if !label(name) {
+        if !is_dns_label(name) {
             return Err(err("the name is not a DNS label"));
         }
-        if !label(namespace) {
+        if !is_dns_label(namespace) {
             return Err(err("the namespace is not a DNS label"));
         }
         Ok(XdsService {

@@ -7,7 +7,6 @@ use std::time::Duration;
 
 pub mod chart;
 pub mod control_plane;
-pub mod dns;
 pub mod flagd;
 pub mod relay;
 

@@ -12,14 +12,16 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use control_plane::{Component, ControlPlane};
+use control_plane::ControlPlane;
 use kube::api::{Api, DynamicObject, Patch, PatchParams};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
 use crate::Run;
 use crate::clients::{self, Recorder, tokio_util_like};
-use crate::fixtures::{WRITER_FLOW, firsts, name, real_world, tempfile_like, wait_until};
+use crate::fixtures::{
+    WRITER_FLOW, apiserver, firsts, name, own_plane, real_world, tempfile_like, wait_until,
+};
 use crate::stats::{self, Summary};
 use crate::target::{Log, Target};
 
@@ -105,14 +107,6 @@ pub async fn apiserver_cost(run: &Run) -> anyhow::Result<ApiserverCost> {
     })
 }
 
-/// A control plane of its own, started off the runtime (the script blocks), stopped when
-/// dropped.
-async fn plane() -> anyhow::Result<ControlPlane> {
-    tokio::task::spawn_blocking(|| control_plane::start("127.0.0.1"))
-        .await
-        .map_err(|e| anyhow::anyhow!("scripts/control-plane up failed: {e}"))
-}
-
 /// The API server's FeatureFlag watches now.
 async fn watches(plane: &ControlPlane) -> f64 {
     plane
@@ -136,17 +130,9 @@ async fn apf(plane: &ControlPlane) -> [f64; 4] {
 
 async fn row(run: &Run, mode: &str, n: usize) -> anyhow::Result<Row> {
     let crs = run.cost_crs;
-    let plane = plane().await?;
+    let plane = own_plane().await?;
     real_world(&plane, crs, run.payload_bytes).await?;
-    let pid = plane
-        .pid(Component::ApiServer)
-        .context("kube-apiserver runs")?;
-    let port: u16 = plane
-        .server
-        .rsplit(':')
-        .next()
-        .and_then(|p| p.parse().ok())
-        .context("the API server's port")?;
+    let (pid, port) = apiserver(&plane)?;
     let dir = tempfile_like::Dir::new()?;
     let ca = plane.dir.join("pki/ca.crt");
     let rss_base_bytes = stats::rss(pid);
@@ -167,19 +153,8 @@ async fn row(run: &Run, mode: &str, n: usize) -> anyhow::Result<Row> {
                 token,
                 &collection,
             )?);
-            for i in 0..n {
-                tokio::spawn(crate::direct::follow(
-                    api.clone(),
-                    name(i % crs),
-                    i,
-                    recorder.clone(),
-                    stop.clone(),
-                ));
-                // Pods start over time, not in one instant: 50 every 100 ms.
-                if i % 50 == 49 {
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                }
-            }
+            let by_name = |i: usize| crate::direct::by_name(&name(i % crs));
+            crate::direct::start(api, n, by_name, &recorder, &stop).await;
         }
         "broker" | "replicas" => {
             let replicas = if mode == "broker" { 1 } else { 3 };

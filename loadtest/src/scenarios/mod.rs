@@ -14,5 +14,6 @@ pub mod granularity;
 pub mod identity;
 pub mod idle;
 pub mod peers;
+pub mod resolvers;
 pub mod stalled;
 pub mod storm;

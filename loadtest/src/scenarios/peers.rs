@@ -18,7 +18,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use control_plane::{Component, ControlPlane};
+use control_plane::ControlPlane;
 use crd_broker::pb::flagd::SyncFlagsRequest;
 use crd_broker::pb::flagd::flag_sync_service_client::FlagSyncServiceClient;
 use kube::api::{Api, DeleteParams, DynamicObject, Patch, PatchParams, PostParams};
@@ -191,9 +191,7 @@ async fn follow(
 
 async fn row(run: &Run, server: &str, n: usize) -> anyhow::Result<Row> {
     let crs = run.peers_crs;
-    let plane = tokio::task::spawn_blocking(|| control_plane::start("127.0.0.1"))
-        .await
-        .map_err(|e| anyhow::anyhow!("scripts/control-plane up failed: {e}"))?;
+    let plane = crate::fixtures::own_plane().await?;
     real_world(&plane, crs, run.payload_bytes).await?;
     // Each CR a flag set of its own: flagd's store keys a flag by its set and its key, so CRs
     // with the same flag keys and no set would overwrite each other there.
@@ -208,9 +206,7 @@ async fn row(run: &Run, server: &str, n: usize) -> anyhow::Result<Row> {
             .patch(&name(k), &PatchParams::default(), &Patch::Merge(set))
             .await?;
     }
-    let api_pid = plane
-        .pid(Component::ApiServer)
-        .context("kube-apiserver runs")?;
+    let (api_pid, _) = crate::fixtures::apiserver(&plane)?;
     let dir = tempfile_like::Dir::new()?;
     let kubeconfig = plane
         .kubeconfig_for(NAMESPACE, "broker", dir.path(), &plane.server)

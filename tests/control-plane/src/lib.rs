@@ -1,8 +1,12 @@
 //! A real kube-apiserver and etcd on loopback (`scripts/control-plane`), and the faults a real
 //! cluster has, on demand: a component killed or ended and started again, etcd compacted, a
 //! Priority and Fairness level that rejects, RBAC taken away and given back. Shared by the tests
-//! and the load harness; a harness's helpers, they panic with the cause when the plane does
-//! not do what they ask.
+//! and the load harness, with what else both need (free loopback ports, a DNS server on
+//! loopback, EndpointSlices, the real peers' binaries); a harness's helpers, they panic with the cause when the
+//! plane does not do what they ask.
+
+pub mod dns;
+pub mod endpoints;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

@@ -6,7 +6,9 @@
 use std::net::{Ipv4Addr, SocketAddr};
 use std::sync::{Arc, Mutex};
 
+/// The DNS server; it stops with the runtime that started it.
 pub struct Dns {
+    /// Where it answers (UDP).
     pub addr: SocketAddr,
     answers: Arc<Mutex<Vec<Ipv4Addr>>>,
 }
