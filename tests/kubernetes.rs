@@ -126,7 +126,7 @@ async fn a_crd_created_while_the_broker_runs_is_served_without_a_restart() {
     let group = own_group(&ns);
     // Until its kind exists, a broker that serves it is not ready, and says why.
     let mut broker = plane.launch(&ns, widget_values(&group, &ns, "30s")).await;
-    let (status, reason) = broker.readiness().await.unwrap();
+    let (status, reason) = broker.checked_readiness().await;
     assert_eq!(status, 503, "{reason}");
     assert!(reason.contains(&group), "{reason}");
     let selector = format!("widgets.{group}/{ns}/w1");

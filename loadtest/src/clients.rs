@@ -186,15 +186,33 @@ pub async fn subscribe(
     recorder: Arc<Recorder>,
     stop: tokio_util_like::Stop,
 ) {
-    let started = Instant::now();
     let mut client = BrokerClient::new(channel);
-    let mut stream = match client.subscribe(subscribe_request(&name)).await {
-        Ok(r) => r.into_inner(),
-        Err(_) => {
-            recorder.errors.fetch_add(1, Ordering::Relaxed);
-            return;
+    let opened = client.subscribe(subscribe_request(&name));
+    follow(opened, &recorder, stop, |first, r| {
+        match first {
+            Some(elapsed) => recorder.first(cold, elapsed),
+            None => recorder.update(&r.object),
         }
+        recorder.seen(slot, &r.object, r.resource_version);
+    })
+    .await
+}
+
+/// Follows the stream `opened` opens until `stop`: `each` gets every message, with the time
+/// from the call to the first one. A stream that fails to open, fails or ends counts as an
+/// error in `recorder`.
+pub async fn follow<M>(
+    opened: impl Future<Output = Result<tonic::Response<tonic::Streaming<M>>, tonic::Status>>,
+    recorder: &Recorder,
+    stop: tokio_util_like::Stop,
+    mut each: impl FnMut(Option<Duration>, M),
+) {
+    let started = Instant::now();
+    let Ok(response) = opened.await else {
+        recorder.errors.fetch_add(1, Ordering::Relaxed);
+        return;
     };
+    let mut stream = response.into_inner();
     let mut first = true;
     loop {
         let message = tokio::select! {
@@ -202,13 +220,9 @@ pub async fn subscribe(
             m = stream.message() => m,
         };
         match message {
-            Ok(Some(r)) => {
-                if std::mem::take(&mut first) {
-                    recorder.first(cold, started.elapsed());
-                } else {
-                    recorder.update(&r.object);
-                }
-                recorder.seen(slot, &r.object, r.resource_version);
+            Ok(Some(m)) => {
+                let elapsed = std::mem::take(&mut first).then(|| started.elapsed());
+                each(elapsed, m);
             }
             Ok(None) | Err(_) => {
                 recorder.errors.fetch_add(1, Ordering::Relaxed);

@@ -174,6 +174,24 @@ impl Deployed {
             .await;
     }
 
+    /// `/readyz`'s status and reason once the broker has checked its source (30 s at most).
+    /// A broker that answers may not have run its first check yet, and until then says only
+    /// that.
+    pub async fn checked_readiness(&self) -> (u16, String) {
+        let checked = tokio::time::timeout(std::time::Duration::from_secs(30), async {
+            loop {
+                if let Some((status, reason)) = self.readiness().await
+                    && !reason.contains("has not been checked yet")
+                {
+                    return (status, reason);
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+            }
+        })
+        .await;
+        checked.expect("the broker checks its source within 30 s")
+    }
+
     /// `/readyz`'s status and reason now (`None` if the admin port does not answer).
     pub async fn readiness(&self) -> Option<(u16, String)> {
         super::try_http_get(self.admin, "/readyz").await.ok()

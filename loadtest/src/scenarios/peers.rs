@@ -151,42 +151,22 @@ async fn follow(
     recorder: Arc<Recorder>,
     stop: tokio_util_like::Stop,
 ) {
-    let started = Instant::now();
     let mut client = FlagSyncServiceClient::new(channel);
     let request = SyncFlagsRequest {
         provider_id: String::new(),
         selector,
     };
-    let mut stream = match client.sync_flags(request).await {
-        Ok(r) => r.into_inner(),
-        Err(_) => {
-            recorder.errors.fetch_add(1, Ordering::Relaxed);
-            return;
+    let opened = client.sync_flags(request);
+    clients::follow(opened, &recorder, stop, |elapsed, r| {
+        let config = r.flag_configuration.as_bytes();
+        match elapsed {
+            Some(elapsed) => first.record(elapsed),
+            None => recorder.update(config),
         }
-    };
-    let mut initial = true;
-    loop {
-        let message = tokio::select! {
-            _ = stop.wait() => return,
-            m = stream.message() => m,
-        };
-        match message {
-            Ok(Some(r)) => {
-                let config = r.flag_configuration.as_bytes();
-                if std::mem::take(&mut initial) {
-                    first.record(started.elapsed());
-                } else {
-                    recorder.update(config);
-                }
-                let seq = number_after(config, "seq").unwrap_or(0);
-                recorder.last_seq[slot].store(seq, Ordering::Relaxed);
-            }
-            Ok(None) | Err(_) => {
-                recorder.errors.fetch_add(1, Ordering::Relaxed);
-                return;
-            }
-        }
-    }
+        let seq = number_after(config, "seq").unwrap_or(0);
+        recorder.last_seq[slot].store(seq, Ordering::Relaxed);
+    })
+    .await
 }
 
 async fn row(run: &Run, server: &str, n: usize) -> anyhow::Result<Row> {

@@ -7,6 +7,9 @@
 
 pub mod dns;
 pub mod endpoints;
+mod ports;
+
+pub use ports::free_port;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -26,25 +29,6 @@ pub fn root() -> PathBuf {
 
 fn script() -> PathBuf {
     root().join("scripts/control-plane")
-}
-
-/// A port that a process a test or the harness starts may bind on 127.0.0.1. It is taken below
-/// the kernel's ephemeral range (32768–60999), so no outgoing connection (a concurrent test's, or
-/// the harness's own clients') can hold it by the time the process binds it, as a port from
-/// binding port 0 could.
-pub fn free_port() -> u16 {
-    const LOW: u32 = 20_000;
-    const SPAN: u32 = 12_000;
-    // Each test binary starts at its own offset and walks on from there.
-    static NEXT: AtomicU32 = AtomicU32::new(0);
-    let start = std::process::id() % SPAN;
-    loop {
-        let step = NEXT.fetch_add(1, Ordering::Relaxed) % SPAN;
-        let port = (LOW + (start + step * 7) % SPAN) as u16;
-        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
-            return port;
-        }
-    }
 }
 
 /// The binary of the real peer `name` (`helm`, `flagd`, `grpc-go`): `scripts/peers path`,
