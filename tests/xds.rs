@@ -307,6 +307,7 @@ mod protocol {
     use envoy_types::pb::envoy::service::discovery::v3::{
         DeltaDiscoveryRequest, DiscoveryRequest, DiscoveryResponse,
     };
+    use envoy_types::pb::google::rpc::Status as RpcStatus;
     use tokio::sync::mpsc;
     use tokio_stream::wrappers::ReceiverStream;
     use tonic::transport::Channel;
@@ -428,10 +429,38 @@ mod protocol {
         assert_ne!(pushed.version_info, eds.version_info);
         ads.ask(ENDPOINTS, &[&service], Some(&pushed)).await;
 
-        // Another service's Listener: answered at once, without it.
+        // A NACK of the endpoints: not answered with the same resources, and counted.
+        let nack = DiscoveryRequest {
+            type_url: ENDPOINTS.into(),
+            resource_names: vec![service.clone()],
+            version_info: eds.version_info.clone(),
+            response_nonce: pushed.nonce.clone(),
+            error_detail: Some(RpcStatus {
+                code: tonic::Code::InvalidArgument as i32,
+                message: "no endpoints this client can use".into(),
+                details: vec![],
+            }),
+            ..Default::default()
+        };
+        ads.tx.send(nack).await.unwrap();
+
+        // Another service's Listener: answered at once, without it (and after the NACK, which
+        // the stream took in order).
         ads.ask(LISTENER, &["other.flags:8015"], Some(&lds)).await;
         let none = ads.next().await;
+        assert_eq!(none.type_url, LISTENER, "the NACK was answered");
         assert!(none.resources.is_empty());
+        let m = metrics(broker.admin).await;
+        for (series, sent) in [
+            (r#"crd_broker_xds_streams"#, 1.0),
+            (r#"crd_broker_xds_responses_total{type="listener"}"#, 2.0),
+            (r#"crd_broker_xds_responses_total{type="cluster"}"#, 1.0),
+            (r#"crd_broker_xds_responses_total{type="endpoints"}"#, 2.0),
+            (r#"crd_broker_xds_nacks_total{type="endpoints"}"#, 1.0),
+            (r#"crd_broker_xds_nacks_total{type="listener"}"#, 0.0),
+        ] {
+            assert_eq!(m.get(series), Some(&sent), "{series}");
+        }
 
         // One caller's flood: its streams stop at its limit (3), RESOURCE_EXHAUSTED naming it.
         let mut held = Vec::new();
@@ -475,7 +504,6 @@ mod protocol {
             .unwrap_err();
         assert_status(&delta, tonic::Code::Unimplemented, "state-of-the-world");
 
-        // The first client is still served, by one watch of the slices.
         // The first client is still served.
         plane.apply(&[at(&[2], &[3])]).await;
         let pushed = ads.next().await;

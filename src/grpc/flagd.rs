@@ -308,7 +308,7 @@ impl<S: Source> FlagdCore<S> {
         let (set, members, ticket) = admit_one(&self.registry, &self.access, &caller, &set).await?;
         let (metrics, limit) = (self.registry.metrics().clone(), self.limit);
         let revoked = ticket.revoked();
-        let active = crate::telemetry::ActiveSync::new(&metrics.subscriptions);
+        let active = crate::telemetry::Open::new(&metrics.subscriptions.sync_active_streams);
         let ends = Box::pin(async move {
             let (_ticket, _active) = (ticket, active);
             tokio::select! {

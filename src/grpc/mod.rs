@@ -395,7 +395,7 @@ pub(crate) struct Delivery {
     started: Instant,
     cold: bool,
     first: bool,
-    _sync: Option<crate::telemetry::ActiveSync>,
+    _sync: Option<crate::telemetry::Open>,
 }
 
 impl Delivery {
@@ -412,7 +412,7 @@ impl Delivery {
         };
         metrics.subscriptions.open.get_or_create(&labels).inc();
         let sync = (protocol != Protocol::Native)
-            .then(|| crate::telemetry::ActiveSync::new(&metrics.subscriptions));
+            .then(|| crate::telemetry::Open::new(&metrics.subscriptions.sync_active_streams));
         Delivery {
             metrics,
             labels,

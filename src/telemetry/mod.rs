@@ -5,9 +5,10 @@
 //! labelled and registered in its own file: [`watch`] (the registry's watches), [`subscriptions`]
 //! (the services' subscribers), [`grpc`] (the standard gRPC server families and connections),
 //! [`access`] (identification, policy, limits), [`api`] (requests to the Kubernetes API
-//! server) and [`process`] (the process and the async runtime). [`Metrics`] holds them all,
-//! with a series for every label value [`Known`] at start. [`logs`] writes plain or JSON lines;
-//! [`traces`] exports OpenTelemetry spans over OTLP when the standard `OTEL_*` variables say so.
+//! server), [`xds`] (the xDS server's streams and responses) and [`process`] (the process and
+//! the async runtime). [`Metrics`] holds them all, with a series for every label value [`Known`]
+//! at start. [`logs`] writes plain or JSON lines; [`traces`] exports OpenTelemetry spans over
+//! OTLP when the standard `OTEL_*` variables say so.
 //! [`init`] installs both.
 
 use std::sync::Arc;
@@ -41,6 +42,7 @@ pub mod process;
 pub mod subscriptions;
 pub mod traces;
 pub mod watch;
+pub mod xds;
 
 pub use access::{
     AccessMetrics, Denial, DenialLabels, IdentifiedBy, IdentifyLabels, IdentifyResult, Limit,
@@ -55,10 +57,11 @@ pub use grpc::{
 pub use logs::LogFormat;
 pub use process::ProcessMetrics;
 pub use subscriptions::{
-    ActiveSync, FirstMessageLabels, Protocol, SubscriberLabels, SubscriptionMetrics, Watch,
+    FirstMessageLabels, Protocol, SubscriberLabels, SubscriptionMetrics, Watch,
 };
 pub use traces::{TelemetryGuard, continue_trace, otel_enabled};
 pub use watch::{ErrorLabels, ResourceLabels, StopLabels, StopReason, WatchMetrics};
+pub use xds::{XdsMetrics, XdsType, XdsTypeLabels};
 
 /// 100 µs to ~100 s: the buckets of the broker's own latency histograms.
 fn latency_histogram() -> Histogram {
@@ -98,6 +101,8 @@ pub struct Metrics {
     pub access: AccessMetrics,
     /// Requests to the Kubernetes API server.
     pub api: ApiRequests,
+    /// The xDS server's streams and responses.
+    pub xds: XdsMetrics,
     /// The process and the async runtime.
     pub process: ProcessMetrics,
 }
@@ -121,6 +126,7 @@ impl Metrics {
             grpc: GrpcMetrics::new(known.methods),
             access: AccessMetrics::default(),
             api: api.unwrap_or_default(),
+            xds: XdsMetrics::default(),
             process: ProcessMetrics::default(),
         };
         let root = &mut metrics.registry;
@@ -129,6 +135,7 @@ impl Metrics {
         metrics.watch.register(broker);
         metrics.access.register(broker);
         metrics.api.register(broker);
+        metrics.xds.register(broker);
         let build = Family::<BuildLabels, Gauge>::default();
         build
             .get_or_create(&BuildLabels {
@@ -144,6 +151,7 @@ impl Metrics {
         metrics.subscriptions.initialize(known.kinds);
         metrics.grpc.initialize();
         metrics.access.initialize();
+        metrics.xds.initialize();
         if has_api {
             metrics.api.initialize();
         }
@@ -158,6 +166,23 @@ impl Metrics {
             tracing::error!(error = %e, "encoding metrics");
         }
         out
+    }
+}
+
+/// One thing open (a stream), counted in a gauge until it is dropped.
+pub struct Open(Gauge);
+
+impl Open {
+    /// Counts one that opened now in `gauge`.
+    pub fn new(gauge: &Gauge) -> Open {
+        gauge.inc();
+        Open(gauge.clone())
+    }
+}
+
+impl Drop for Open {
+    fn drop(&mut self) {
+        self.0.dec();
     }
 }
 
@@ -237,6 +262,9 @@ mod tests {
             r#"crd_broker_api_requests_total{verb="watch",code="200"} 0"#,
             r#"crd_broker_source_stale_seconds 0"#,
             r#"sync_active_streams 0"#,
+            r#"crd_broker_xds_streams 0"#,
+            r#"crd_broker_xds_responses_total{type="endpoints"} 0"#,
+            r#"crd_broker_xds_nacks_total{type="listener"} 0"#,
             r#"grpc_server_started_total{grpc_service="flagd.sync.v1.FlagSyncService",grpc_method="SyncFlags",grpc_type="server_stream"} 0"#,
             r#"grpc_server_handled_total{grpc_service="crdbroker.v1.Broker",grpc_method="Subscribe",grpc_type="server_stream",grpc_code="Unavailable"} 0"#,
             r#"grpc_server_msg_sent_total{grpc_service="crdbroker.v1.Broker",grpc_method="Subscribe",grpc_type="server_stream"} 0"#,

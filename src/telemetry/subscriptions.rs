@@ -136,21 +136,3 @@ impl SubscriptionMetrics {
         }
     }
 }
-
-/// Counts one open flagd sync stream in [`SubscriptionMetrics::sync_active_streams`] while it
-/// lives.
-pub struct ActiveSync(Gauge);
-
-impl ActiveSync {
-    /// Counts a stream that opened now.
-    pub fn new(metrics: &SubscriptionMetrics) -> ActiveSync {
-        metrics.sync_active_streams.inc();
-        ActiveSync(metrics.sync_active_streams.clone())
-    }
-}
-
-impl Drop for ActiveSync {
-    fn drop(&mut self) {
-        self.0.dec();
-    }
-}

@@ -35,6 +35,7 @@ use crate::conn::{Peer, PeerAddr, canonical_ip};
 use crate::registry::{Members, Registry, Subscription};
 use crate::selector::{KindRef, is_dns_label};
 use crate::source::{Set, Source};
+use crate::telemetry::{Metrics, Open};
 
 /// The Service whose replicas the xDS server serves: `NAME.NAMESPACE:PORT`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -206,6 +207,8 @@ struct Sent {
 /// One ADS stream.
 struct Stream {
     service: XdsService,
+    /// Where its responses and NACKs are counted.
+    metrics: Arc<Metrics>,
     /// This replica's address as the client reached it.
     own: Option<IpAddr>,
     types: HashMap<String, Sent>,
@@ -270,6 +273,9 @@ impl Stream {
         self.nonces += 1;
         sent.version = Some(version.clone());
         sent.nonce = self.nonces.to_string();
+        if let Some(r#type) = resources::known(type_url) {
+            self.metrics.xds.responded(r#type);
+        }
         Some(DiscoveryResponse {
             version_info: version,
             resources,
@@ -287,7 +293,7 @@ impl Stream {
         draining: bool,
     ) -> Option<DiscoveryResponse> {
         let type_url = request.type_url;
-        if !resources::known(&type_url) {
+        let Some(r#type) = resources::known(&type_url) else {
             // Answered empty, the first time it is asked on the stream, and not kept: what a
             // stream holds is bounded by the four types served.
             tracing::debug!(type_url, "an xDS type this server does not serve");
@@ -300,7 +306,7 @@ impl Stream {
                 nonce: self.nonces.to_string(),
                 ..Default::default()
             });
-        }
+        };
         let sent = self.types.entry(type_url.clone()).or_default();
         // A request that answers an older response than the last one sent is stale: the
         // client will answer the newer one too.
@@ -308,6 +314,7 @@ impl Stream {
             return None;
         }
         if let Some(error) = &request.error_detail {
+            self.metrics.xds.refused(r#type);
             let message: String = error.message.chars().take(500).collect();
             tracing::warn!(
                 type_url,
@@ -366,13 +373,15 @@ impl<S: Source> AggregatedDiscoveryService for Xds<S> {
         let mut draining = self.drain.watch();
         let mut stream = Stream {
             service: self.service.clone(),
+            metrics: self.registry.metrics().clone(),
             own,
             types: HashMap::new(),
             nonces: 0,
         };
         let (tx, rx) = mpsc::channel::<Result<DiscoveryResponse, Status>>(8);
+        let open = Open::new(&stream.metrics.xds.streams);
         tokio::spawn(async move {
-            let _ticket = ticket;
+            let (_ticket, _open) = (ticket, open);
             loop {
                 let out: Vec<DiscoveryResponse> = tokio::select! {
                     next = requests.next() => match next {

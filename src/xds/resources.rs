@@ -30,6 +30,7 @@ use serde::Deserialize;
 
 use super::XdsService;
 use crate::registry::Members;
+use crate::telemetry::XdsType;
 
 /// The Listener type.
 pub const LISTENER: &str = "type.googleapis.com/envoy.config.listener.v3.Listener";
@@ -42,9 +43,15 @@ pub const ENDPOINTS: &str = "type.googleapis.com/envoy.config.endpoint.v3.Cluste
 const HCM: &str = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager";
 const ROUTER: &str = "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router";
 
-/// Whether `type_url` is one of the four the server answers with resources.
-pub fn known(type_url: &str) -> bool {
-    [LISTENER, ROUTE, CLUSTER, ENDPOINTS].contains(&type_url)
+/// Which of the four types the server answers with resources `type_url` is, if any.
+pub fn known(type_url: &str) -> Option<XdsType> {
+    match type_url {
+        LISTENER => Some(XdsType::Listener),
+        ROUTE => Some(XdsType::Route),
+        CLUSTER => Some(XdsType::Cluster),
+        ENDPOINTS => Some(XdsType::Endpoints),
+        _ => None,
+    }
 }
 
 fn any(type_url: &str, message: &impl Message) -> Any {

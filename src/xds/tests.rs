@@ -51,6 +51,7 @@ fn three() -> Members {
 fn stream(own: Option<&str>) -> Stream {
     Stream {
         service: service(),
+        metrics: Arc::new(Metrics::default()),
         own: own.map(|ip| ip.parse().unwrap()),
         types: HashMap::new(),
         nonces: 0,
@@ -303,6 +304,16 @@ fn a_nack_is_not_answered_with_the_same_resources_and_a_stale_nonce_is_ignored()
     let stale = ask(ENDPOINTS, &["other"], "", "not-the-last-nonce");
     assert!(s.request(stale, &m, false).is_none());
     assert!(s.changes(&m, false).is_empty());
+    // One response sent and one refused, of the endpoints alone.
+    let text = s.metrics.encode();
+    for series in [
+        r#"crd_broker_xds_responses_total{type="endpoints"} 1"#,
+        r#"crd_broker_xds_nacks_total{type="endpoints"} 1"#,
+        r#"crd_broker_xds_responses_total{type="listener"} 0"#,
+        r#"crd_broker_xds_nacks_total{type="cluster"} 0"#,
+    ] {
+        assert!(text.contains(series), "{series} in:\n{text}");
+    }
 }
 
 #[test]

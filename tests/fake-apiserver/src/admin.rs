@@ -33,7 +33,7 @@ use serde_json::{Value, json};
 
 use crate::Shared;
 use crate::faults::{Deny, Injection, TokenUser};
-use crate::http::Params;
+use crate::params::Params;
 
 /// Answers a `/fake/…` request.
 pub(crate) async fn handle(shared: &Arc<Shared>, parts: &Parts, body: Body) -> Response {

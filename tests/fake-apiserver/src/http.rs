@@ -10,7 +10,7 @@ use axum::Router;
 use axum::body::Body;
 use axum::extract::{Request, State};
 use axum::http::request::Parts;
-use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, header};
+use axum::http::{HeaderValue, Method, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
@@ -21,6 +21,7 @@ use tokio::task::JoinSet;
 
 use crate::error::{ApiError, Result};
 use crate::faults::{Action, Attributes, RequestRecord};
+use crate::params::Params;
 use crate::render::{self, Format};
 use crate::selector::{FieldSelector, LabelSelector};
 use crate::store::{
@@ -155,34 +156,6 @@ impl tokio::io::AsyncWrite for Counted {
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<std::io::Result<()>> {
         std::pin::Pin::new(&mut self.inner).poll_shutdown(cx)
-    }
-}
-
-/// Decoded query parameters (empty pairs, as in kube-rs's `?&…`, are skipped).
-#[derive(Debug, Clone, Default)]
-pub(crate) struct Params(pub(crate) Vec<(String, String)>);
-
-impl Params {
-    pub(crate) fn parse(query: &str) -> Self {
-        Params(
-            form_urlencoded::parse(query.as_bytes())
-                .filter(|(k, _)| !k.is_empty())
-                .map(|(k, v)| (k.into_owned(), v.into_owned()))
-                .collect(),
-        )
-    }
-
-    pub(crate) fn get(&self, key: &str) -> Option<&str> {
-        self.0
-            .iter()
-            .find(|(k, _)| k == key)
-            .map(|(_, v)| v.as_str())
-    }
-
-    /// A boolean parameter, parsed as Go's `strconv.ParseBool` does.
-    fn flag(&self, key: &str) -> Option<bool> {
-        self.get(key)
-            .map(|v| matches!(v, "1" | "t" | "T" | "true" | "True" | "TRUE"))
     }
 }
 
@@ -349,22 +322,6 @@ fn injected_status(code: u16, retry_after: Option<u64>) -> ApiError {
     }
 }
 
-/// Who a request is from: the user a registered bearer token stands for, else anonymous.
-pub(crate) fn user_of(shared: &Shared, headers: &HeaderMap) -> String {
-    headers
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .and_then(|token| {
-            shared
-                .faults()
-                .tokens
-                .get(token.trim())
-                .map(|u| u.username.clone())
-        })
-        .unwrap_or_else(|| "system:anonymous".to_string())
-}
-
 async fn resource(
     shared: &Arc<Shared>,
     parts: &Parts,
@@ -413,7 +370,7 @@ async fn resource(
         kind.selectable_fields,
     )?;
     let labels = LabelSelector::parse(params.get("labelSelector").unwrap_or(""))?;
-    let user = user_of(shared, &parts.headers);
+    let user = reviews::user_of(shared, &parts.headers);
     let attrs = Attributes {
         verb: verb.to_string(),
         group: kind.group.clone(),

@@ -33,6 +33,7 @@ pub mod error;
 pub mod faults;
 pub mod http;
 pub mod openapi;
+pub mod params;
 pub mod render;
 pub mod reviews;
 pub mod schema;

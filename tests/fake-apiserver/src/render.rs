@@ -9,7 +9,6 @@ use serde_json::{Value, json};
 
 use crate::crd::Kind;
 use crate::error::ApiError;
-use crate::store::Scope;
 
 /// The representation a request asked for.
 #[derive(Debug, Clone, PartialEq)]
@@ -140,15 +139,20 @@ pub fn watch_object(
     }
 }
 
-/// A list response.
-pub fn list(scope: &Scope, items: &[Arc<Value>], metadata: Value, format: &Format) -> Value {
-    let kind = &scope.kind;
+/// A list response of `kind`'s objects at `version`.
+pub fn list(
+    kind: &Kind,
+    version: &str,
+    items: &[Arc<Value>],
+    metadata: Value,
+    format: &Format,
+) -> Value {
     match format {
         Format::Object => json!({
-            "apiVersion": kind.api_version(&scope.version),
+            "apiVersion": kind.api_version(version),
             "kind": kind.list_kind,
             "metadata": metadata,
-            "items": items.iter().map(|o| at_version(kind, &scope.version, o)).collect::<Vec<_>>(),
+            "items": items.iter().map(|o| at_version(kind, version, o)).collect::<Vec<_>>(),
         }),
         Format::Metadata => json!({
             "apiVersion": "meta.k8s.io/v1",
@@ -160,7 +164,7 @@ pub fn list(scope: &Scope, items: &[Arc<Value>], metadata: Value, format: &Forma
             let objs: Vec<&Value> = items.iter().map(|o| o.as_ref()).collect();
             let mut t = table(
                 kind,
-                &scope.version,
+                version,
                 &objs,
                 *include,
                 &metadata["resourceVersion"],

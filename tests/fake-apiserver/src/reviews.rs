@@ -61,11 +61,11 @@ pub(crate) fn answer(
     }
     let status = match kind.kind.as_str() {
         "SelfSubjectAccessReview" => {
-            let user = crate::http::user_of(shared, headers);
+            let user = user_of(shared, headers);
             access(shared, &review["spec"], user)?
         }
         "SelfSubjectRulesReview" => {
-            let user = crate::http::user_of(shared, headers);
+            let user = user_of(shared, headers);
             rules(shared, &review["spec"], &user)?
         }
         "SubjectAccessReview" => {
@@ -230,4 +230,20 @@ fn user_info(user: &crate::TokenUser) -> Value {
         info["extra"] = json!(user.extra);
     }
     info
+}
+
+/// Who a request is from: the user a registered bearer token stands for, else anonymous.
+pub(crate) fn user_of(shared: &Shared, headers: &HeaderMap) -> String {
+    headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .and_then(|token| {
+            shared
+                .faults()
+                .tokens
+                .get(token.trim())
+                .map(|u| u.username.clone())
+        })
+        .unwrap_or_else(|| "system:anonymous".to_string())
 }

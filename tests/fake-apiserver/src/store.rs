@@ -303,7 +303,13 @@ impl State {
                 metadata["remainingItemCount"] = json!(remaining);
             }
         }
-        Ok(render::list(scope, &items, metadata, format))
+        Ok(render::list(
+            &scope.kind,
+            &scope.version,
+            &items,
+            metadata,
+            format,
+        ))
     }
 
     /// The snapshot resourceVersion a list without a continue token reads at.
@@ -846,7 +852,13 @@ impl State {
             items.push(Arc::new(obj));
         }
         let metadata = json!({ "resourceVersion": self.rv.to_string() });
-        Ok(render::list(scope, &items, metadata, &Format::Object))
+        Ok(render::list(
+            &scope.kind,
+            &scope.version,
+            &items,
+            metadata,
+            &Format::Object,
+        ))
     }
 
     /// Prunes, defaults and validates a body against its version's schema; checks metadata.
