@@ -32,7 +32,7 @@
 //!   (for the command line and the services alike); [`labels`] parses label selectors.
 //! - [`cache`] — a bounded single-flight cache, for discovery, pod lookups and token reviews.
 //! - [`telemetry`] — metric families (each defined and registered in its layer's file: watches,
-//!   subscriptions, the gRPC server, access, Kubernetes API requests, the process), logs and
+//!   subscriptions, the gRPC server, access, Kubernetes API requests, xDS, the process), logs and
 //!   traces. Every layer records into it and it imports none of them: what it needs to know at
 //!   start (the kinds served, the methods the broker serves, the source's error reasons) is
 //!   handed in by the [`broker`] that assembles the layers.
