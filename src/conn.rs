@@ -98,6 +98,19 @@ impl Peer {
             PeerAddr::Unix { .. } => None,
         }
     }
+
+    /// Whether the connection comes from the address it reached: a process in the broker's own
+    /// network namespace. That is a proxy in its pod that forwards to the pod's IP without
+    /// binding a source address (Linkerd since 2.11, whose proxy delivers every caller so: the
+    /// kernel takes a local destination's own address as the source), or a container beside it.
+    pub fn from_own_address(&self) -> bool {
+        match self.addr {
+            PeerAddr::Tcp { remote, local } => {
+                canonical_ip(remote.ip()) == canonical_ip(local.ip())
+            }
+            PeerAddr::Unix { .. } => false,
+        }
+    }
 }
 
 /// An IPv4 address that arrived as IPv4-mapped IPv6 (`::ffff:10.0.0.1`, as on a dual-stack

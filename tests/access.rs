@@ -850,3 +850,136 @@ async fn a_set_across_every_namespace_needs_a_grant_that_reads_every_namespace()
             .map(|ns| format!("featureflags.v1beta1.core.openfeature.dev/{ns}/f"))
     );
 }
+
+/// The broker's pod at 127.0.0.5, standing for its pod IP, with a FeatureFlag of its own
+/// namespace (`flags/broker-secret`); the tenants besides. The broker listens on that address,
+/// as in a pod; `settings` for its access layer, `admin` for its admin port.
+async fn broker_in_its_pod(
+    settings: Settings,
+    admin: crd_broker::ops::guard::Settings,
+) -> (
+    fake_apiserver::FakeApiServer,
+    crd_broker::broker::Running<crd_broker::source::kubernetes::Kubernetes>,
+) {
+    let fake = tenants().await;
+    run_pod(&fake, "flags", "broker", "crd-broker", "127.0.0.5");
+    fake.apply(flag_in("flags", "broker-secret", "on")).unwrap();
+    let listeners = crd_broker::broker::Listeners {
+        tcp: Some(tokio::net::TcpListener::bind("127.0.0.5:0").await.unwrap()),
+        admin: Some(tokio::net::TcpListener::bind("127.0.0.5:0").await.unwrap()),
+        ..Default::default()
+    };
+    let config = crd_broker::broker::Config {
+        linger: Duration::ZERO,
+        access: settings,
+        admin,
+        ..Default::default()
+    };
+    let broker = broker_with(&fake, listeners, config, vec![]);
+    (fake, broker)
+}
+
+/// Linkerd's proxy (since 2.11) connects to the pod's own IP without binding a source address,
+/// so the kernel gives the connection the pod's IP at both ends. A forwarder whose outgoing
+/// socket is bound to the broker's address stands for it: through it, a caller from anywhere is
+/// not the broker's own pod, and reads nothing of the broker's namespace.
+#[tokio::test]
+async fn a_caller_delivered_from_the_brokers_own_address_is_not_the_brokers_pod() {
+    for identity in ["peer-pod", "peer-pod,token"] {
+        let (fake, broker) = broker_in_its_pod(settings(identity), Default::default()).await;
+        fake.register_token(
+            TokenUser::service_account("evil", "evil", "app").with_audiences(&["crd-broker"]),
+        );
+        let proxy = forwarder("127.0.0.5", broker.addr).await;
+        let mut c = connect(proxy).await;
+        let status = refusal(&mut c, &ff("flags", "broker-secret")).await;
+        assert_status(
+            &status,
+            Code::Unauthenticated,
+            "the connection comes from the broker's own address (127.0.0.5)",
+        );
+        if identity.contains("token") {
+            // With a token, the caller is who the token says, and reads its own namespace only.
+            let status = c
+                .subscribe(with(
+                    "authorization",
+                    "Bearer evil",
+                    &ff("flags", "broker-secret"),
+                ))
+                .await
+                .unwrap_err();
+            assert_status(&status, Code::PermissionDenied, "evil/app may not read");
+        }
+        // The pod that really is at an address of its own is still itself.
+        let mut a = connect_from(broker.addr, "127.0.0.2").await;
+        let mut own = subscribe(&mut a, &[&ff("team-a", "f")]).await;
+        assert!(
+            is(&next(&mut own).await, Event::Snapshot, "on"),
+            "{identity}"
+        );
+    }
+}
+
+/// With `--mesh linkerd`, a connection from the broker's own address is Linkerd's proxy, whose
+/// `l5d-client-id` is believed; Istio's sidecar never delivers so, and is not taken for one.
+#[tokio::test]
+async fn in_linkerd_the_proxy_delivering_from_the_pods_own_ip_is_believed() {
+    let (_fake, broker) = broker_in_its_pod(
+        in_mesh(Mesh::Linkerd, Some("cluster.local")),
+        Default::default(),
+    )
+    .await;
+    let proxy = forwarder("127.0.0.5", broker.addr).await;
+    let mut c = connect(proxy).await;
+    let mut s = c
+        .subscribe(with("l5d-client-id", L5D_TEAM_A, &ff("team-a", "f")))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(is(&next(&mut s).await, Event::Snapshot, "on"));
+    let status = c
+        .subscribe(with(
+            "l5d-client-id",
+            L5D_TEAM_A,
+            &ff("flags", "broker-secret"),
+        ))
+        .await
+        .unwrap_err();
+    assert_eq!(
+        status.code(),
+        Code::PermissionDenied,
+        "{}",
+        status.message()
+    );
+
+    let (_fake, broker) = broker_in_its_pod(in_mesh(Mesh::Istio, None), Default::default()).await;
+    let proxy = forwarder("127.0.0.5", broker.addr).await;
+    let mut c = connect(proxy).await;
+    let status = c
+        .subscribe(with("x-forwarded-client-cert", XFCC, &ff("team-a", "f")))
+        .await
+        .unwrap_err();
+    assert_status(&status, Code::Unauthenticated, "mesh headers are ignored");
+}
+
+/// The admin port's debug endpoints: a caller delivered from the pod's own IP to itself is not
+/// the pod's own, so with `--admin-auth kubernetes` it needs a token.
+#[tokio::test]
+async fn the_admin_guard_does_not_take_a_caller_from_the_pods_own_ip_for_the_pod() {
+    use crd_broker::ops::guard::{AdminAuth, Settings as Guard};
+    let guard = Guard {
+        admin_auth: AdminAuth::Kubernetes,
+        ..Guard::default()
+    };
+    let (_fake, broker) = broker_in_its_pod(settings("peer-pod"), guard).await;
+    let admin = broker.admin_addr.unwrap();
+    let proxy = forwarder("127.0.0.5", admin).await;
+    let (status, body) = http_get(proxy, "/debug/callers").await;
+    assert_eq!(status, 401, "{body}");
+    assert!(
+        body.contains("needs `authorization: Bearer <token>`"),
+        "{body}"
+    );
+    // Probes stay open.
+    assert_eq!(http_get(proxy, "/livez").await.0, 200);
+}

@@ -127,6 +127,7 @@ async fn balances(mut client: tokio::process::Command) {
         .stdin(Stdio::piped())
         .stdout(Stdio::null())
         .kill_on_drop(true)
+        .leashed()
         .spawn()
         .unwrap();
 
@@ -211,6 +212,7 @@ async fn the_python_flagd_provider_on_a_dns_host_keeps_evaluating_through_ages_a
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .kill_on_drop(true)
+        .leashed()
         .spawn()
         .unwrap();
     let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();

@@ -10,7 +10,7 @@ use tokio::io::{AsyncBufReadExt, BufReader, Lines};
 use tokio::process::{Child, ChildStdout, Command};
 
 mod support;
-use support::free_port;
+use support::{Leash, free_port};
 
 const BIN: &str = env!("CARGO_BIN_EXE_crd-broker");
 const EXAMPLES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/manifests");
@@ -39,6 +39,7 @@ async fn serve(dir: &Path, port: u16) -> Child {
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .kill_on_drop(true)
+        .leashed()
         .spawn()
         .expect("serve starts");
     let ready = tokio::time::timeout(Duration::from_secs(20), async {
@@ -79,6 +80,7 @@ fn subscribe_to(server: &str, args: &[&str]) -> (Child, Lines<BufReader<ChildStd
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .kill_on_drop(true)
+        .leashed()
         .spawn()
         .expect("subscribe starts");
     let lines = BufReader::new(child.stdout.take().unwrap()).lines();
@@ -209,6 +211,7 @@ async fn json_logs_are_one_object_per_line() {
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .kill_on_drop(true)
+        .leashed()
         .spawn()
         .unwrap();
     let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
@@ -278,7 +281,9 @@ async fn refused_at_start(args: &[&str], env: &[(&str, &str)]) -> String {
         .args(["serve", "--manifests", EXAMPLES])
         .args(["--grpc-addr", "127.0.0.1:0", "--admin-addr", "none"])
         .args(args)
-        .stdin(Stdio::null());
+        .stdin(Stdio::null())
+        .kill_on_drop(true)
+        .leashed();
     for (k, v) in env {
         command.env(k, v);
     }
@@ -436,6 +441,7 @@ async fn subscribe_reaches_a_broker_over_tls_mtls_and_a_unix_socket_and_prints_y
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .kill_on_drop(true)
+        .leashed()
         .spawn()
         .unwrap();
     support::eventually("the broker listens", Duration::from_secs(20), async || {

@@ -44,6 +44,7 @@ async fn the_python_flagd_provider_works_unchanged_against_the_broker() {
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .kill_on_drop(true)
+        .leashed()
         .spawn()
         .expect("python runs");
     let mut stdin = child.stdin.take().unwrap();
@@ -119,6 +120,7 @@ async fn tenancy_check(mode: &str, port: u16, selector: &str) -> Value {
             .env("FLAGD_SOURCE_SELECTOR", selector)
             .env("FLAGD_RETRY_BACKOFF_MAX_MS", "500")
             .kill_on_drop(true)
+            .leashed()
             .output(),
     )
     .await

@@ -576,6 +576,7 @@ async fn the_python_flagd_provider_evaluates_flags_from_the_real_server_and_thei
             .stdin(std::process::Stdio::piped())
             .stdout(std::process::Stdio::piped())
             .kill_on_drop(true)
+            .leashed()
             .spawn()
             .expect("python runs");
     let mut stdin = provider.stdin.take().unwrap();

@@ -179,6 +179,7 @@ async fn every_dashboard_and_alert_query_returns_data_from_a_broker_under_load()
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .kill_on_drop(true)
+        .leashed()
         .spawn()
         .unwrap();
     let config = dir.path().join("prometheus.yml");
@@ -203,6 +204,7 @@ async fn every_dashboard_and_alert_query_returns_data_from_a_broker_under_load()
         .stdout(Stdio::null())
         .stderr(Stdio::inherit())
         .kill_on_drop(true)
+        .leashed()
         .spawn()
         .unwrap();
     let grpc: SocketAddr = ([127, 0, 0, 1], grpc).into();

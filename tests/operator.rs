@@ -46,6 +46,7 @@ fn broker(kubeconfig: &std::path::Path, args: &[String], env: &[(String, String)
         .stdout(Stdio::null())
         .stderr(Stdio::inherit())
         .kill_on_drop(true)
+        .leashed()
         .spawn()
         .expect("the broker starts")
 }
@@ -154,6 +155,7 @@ async fn in_process_provider(fake: &str, host: &str, port: u16) -> Value {
             .env("FLAGD_RESOLVER", "in-process")
             .env("FLAGD_SOURCE_SELECTOR", SELECTOR)
             .kill_on_drop(true)
+            .leashed()
             .output(),
     )
     .await
@@ -245,17 +247,19 @@ async fn feature_flag_sources_with_provider_grpc_reach_the_chart_s_broker() {
         })
         .collect();
     // The chart identifies callers by their pod (peer-pod,token): the workload here is the pod
-    // default/app at 127.0.0.1, where this test's clients connect from.
-    run_pod(&fake, "default", "app", "app", "127.0.0.1");
+    // default/app at 127.0.0.2, which this test's clients connect from through a forwarder (a
+    // connection from the broker's own address is no pod's).
+    run_pod(&fake, "default", "app", "app", "127.0.0.2");
     let _broker = broker(&kubeconfig, &args, &env);
     serving(SocketAddr::from(([127, 0, 0, 1], grpc))).await;
+    let from_app = forwarder("127.0.0.2", SocketAddr::from(([127, 0, 0, 1], grpc))).await;
 
     // A FeatureFlagSource `provider: grpc, source: flags-crd-broker.openfeature.svc:<port>,
     // selector: core.openfeature.dev/default/demo`: the sidecar's sync.
-    let (mut stream, config) = sidecar_sync(SocketAddr::from(([127, 0, 0, 1], grpc))).await;
+    let (mut stream, config) = sidecar_sync(from_app).await;
     assert_eq!(config["flags"]["f"]["defaultVariant"], "on");
     // An InProcessConfiguration `host: flags-crd-broker.openfeature.svc, port: <port>`.
-    let summary = in_process_provider(&fake.url(), "127.0.0.1", grpc).await;
+    let summary = in_process_provider(&fake.url(), "127.0.0.1", from_app.port()).await;
     println!("in-process provider through the chart's Service: {summary}");
     assert_eq!(
         next_config(&mut stream).await["flags"]["f"]["defaultVariant"],

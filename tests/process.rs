@@ -58,6 +58,7 @@ async fn spawn(kubeconfig: &std::path::Path, args: &[&str], env: &[(&str, &str)]
         .stdout(Stdio::null())
         .stderr(Stdio::inherit())
         .kill_on_drop(true)
+        .leashed()
         .spawn()
         .expect("the broker starts");
     let admin: SocketAddr = ([127, 0, 0, 1], admin).into();
@@ -679,6 +680,7 @@ async fn with_grpc_addr_none_it_serves_on_the_unix_socket_alone() {
         .stdout(Stdio::null())
         .stderr(Stdio::inherit())
         .kill_on_drop(true)
+        .leashed()
         .spawn()
         .expect("the broker starts");
     wait_ready(admin, &mut child).await;
@@ -759,6 +761,7 @@ async fn environment_variables_configure_serve_without_flags() {
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .kill_on_drop(true)
+        .leashed()
         .spawn()
         .expect("the broker starts");
     let mut log = tokio::io::BufReader::new(child.stderr.take().unwrap()).lines();

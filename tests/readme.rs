@@ -11,7 +11,6 @@
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::os::unix::process::CommandExt;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
@@ -160,7 +159,7 @@ fn as_reader<'a>(cmd: &'a mut Command, env: &[(&str, String)]) -> &'a mut Comman
         let key = key.to_string_lossy().into_owned();
         if (key.starts_with("CARGO") && key != "CARGO_HOME")
             || key.starts_with("RUSTC")
-            || key.starts_with("CRD_BROKER_")
+            || (key.starts_with("CRD_BROKER_") && key != control_plane::leash::RUN)
             || ["OUT_DIR", "LD_LIBRARY_PATH", "RUST_LOG", "RUST_BACKTRACE"].contains(&key.as_str())
         {
             cmd.env_remove(key);
@@ -170,33 +169,23 @@ fn as_reader<'a>(cmd: &'a mut Command, env: &[(&str, String)]) -> &'a mut Comman
     cmd.envs(env.iter().map(|(k, v)| (k, v)))
 }
 
-/// `command` run by `sh` in `dir` as a reader would, in a process group of its own, so that
-/// everything it starts ends with it.
+/// `command` run by `sh` in `dir` as a reader would, by a keeper that ends it and everything it
+/// starts with this test, however the test ends.
 fn reader(command: &str, dir: &Path, env: &[(&str, String)]) -> Command {
-    let mut cmd = Command::new("sh");
+    let mut cmd = control_plane::leash::tree("sh");
     cmd.arg("-c").arg(command).current_dir(dir);
     as_reader(&mut cmd, env);
-    cmd.process_group(0);
     cmd
 }
 
-/// A command's process group, ended when dropped.
-struct Group(Child);
+/// A [`reader`]'s keeper, told to end its tree when dropped (SIGTERM, then SIGKILL 5 s
+/// later), and waited for.
+struct Tree(Child);
 
-impl Drop for Group {
+impl Drop for Tree {
     fn drop(&mut self) {
         let _ = Command::new("kill")
-            .args(["-TERM", "--", &format!("-{}", self.0.id())])
-            .status();
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while Instant::now() < deadline {
-            if let Ok(Some(_)) = self.0.try_wait() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        let _ = Command::new("kill")
-            .args(["-KILL", "--", &format!("-{}", self.0.id())])
+            .args(["-TERM", &self.0.id().to_string()])
             .status();
         let _ = self.0.wait();
     }
@@ -331,7 +320,7 @@ fn the_quickstart_runs_as_written_in_a_clean_checkout() {
 
     // The broker, built as the README builds it.
     let started = Instant::now();
-    let mut broker = Group(
+    let mut broker = Tree(
         reader(serve, &dir, &env)
             .stdout(Stdio::null())
             .spawn()
@@ -353,7 +342,7 @@ fn the_quickstart_runs_as_written_in_a_clean_checkout() {
     );
 
     // The subscriber prints what the README shows.
-    let mut client = Group(
+    let mut client = Tree(
         reader(subscribe, &dir, &env)
             .stdout(Stdio::piped())
             .spawn()
@@ -397,7 +386,12 @@ fn the_quickstart_runs_as_written_in_a_clean_checkout() {
         "40",
         "-c",
     ]);
-    session.arg(&dir).arg(format!("{top}; sleep 600"));
+    // The keeper ends the session's shell, and so the session and its server, should this
+    // test binary be killed before it drops them.
+    let shell = format!("{top}; sleep 600");
+    session
+        .arg(&dir)
+        .arg(control_plane::leash::tree_line(&["sh", "-c", &shell]));
     assert!(
         as_reader(&mut session, &env).status().unwrap().success(),
         "tmux starts"

@@ -195,6 +195,28 @@ impl World {
         assert_eq!(first.event(), Event::Snapshot);
     }
 
+    /// A new subscriber to a held widget, while the API server refuses the broker: refused
+    /// (PERMISSION_DENIED, the broker may not read it now), once the widget's watch has been.
+    async fn refuses_what_it_may_not_read(&self) {
+        let mut client = connect(self.broker.grpc).await;
+        let selector = format!("widgets.{}/{}/{}", self.group, self.ns, self.names[0]);
+        let mut last = None;
+        eventually("a new subscriber is refused", WAIT * 3, async || {
+            let refused = client.subscribe(request(&[&selector])).await.err();
+            let denied = refused
+                .as_ref()
+                .is_some_and(|s| s.code() == tonic::Code::PermissionDenied);
+            last = refused;
+            denied
+        })
+        .await;
+        let status = last.expect("refused");
+        assert!(
+            status.message().contains("the broker may not read it now"),
+            "{status:?}"
+        );
+    }
+
     /// After the fault: a last write to every widget (retried until the server takes it), then
     /// every subscriber must hold it, and the API server must count one watch per widget.
     async fn settle(&self, fault: &str) -> Duration {
@@ -530,7 +552,9 @@ async fn the_brokers_rights_revoked_and_restored() {
         ) > 0.0
     })
     .await;
-    world.serves_what_it_holds().await;
+    // Its subscribers keep what they hold; a new one is refused what the broker may no longer
+    // read, once the server has refused its watch.
+    world.refuses_what_it_may_not_read().await;
     tokio::time::sleep(Duration::from_secs(3)).await;
     world.plane.restore(revoked).await;
     assert!(writer.stop().await > 0);

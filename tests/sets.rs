@@ -380,22 +380,40 @@ async fn sets_count_against_max_watches_and_only_a_cold_one_costs_a_new_watch() 
     assert_eq!(broker.registry.len(), 2);
 }
 
+/// A set lists, watches and holds a namespace's worth of objects: one caller's sets have a
+/// budget of their own (`--max-sets-per-caller`, 16 by default), lingering ones counted, apart
+/// from its share of the watches; another caller has its own.
 #[tokio::test]
-async fn a_callers_share_of_the_watches_counts_its_sets() {
+async fn a_caller_has_a_budget_of_sets_of_its_own() {
     let fake = fake().await;
+    fake.apply(flag("demo", "on")).unwrap();
     let limits = crd_broker::access::limits::Config {
-        max_watches_per_caller: 2,
+        max_watches_per_caller: 1,
         ..Default::default()
     };
     let broker = broker_for_sets(&fake, Duration::from_secs(30), 100, limits).await;
     let mut client = connect(broker.addr).await;
-    for app in ["one", "two"] {
-        let mut s = open_set(&mut client, &format!("app%3D{app}")).await;
-        assert_eq!(next(&mut s).await.event(), Event::Synced);
-        // Left at once: the watch lingers, and is still the caller's.
+    for i in 0..crd_broker::access::limits::DEFAULT_MAX_SETS_PER_CALLER {
+        let mut s = open_set(&mut client, &format!("%21x{i}")).await;
+        assert_eq!(next(&mut s).await.event(), Event::Snapshot);
+        // Left at once: the set lingers, and is still the caller's.
     }
-    let status = client.subscribe(set("app%3Dthree")).await.unwrap_err();
-    assert_status(&status, Code::ResourceExhausted, "--max-watches-per-caller");
+    let status = client.subscribe(set("%21x-one-more")).await.unwrap_err();
+    assert_status(&status, Code::ResourceExhausted, "--max-sets-per-caller");
+    // Its sets did not spend its one watch, nor another caller's sets.
+    let mut s = subscribe(&mut client, &[&demo("demo")]).await;
+    assert_eq!(next(&mut s).await.event(), Event::Snapshot);
+    let mut other = connect_from(broker.addr, "127.0.0.2").await;
+    let mut s = open_set(&mut other, "%21x-of-its-own").await;
+    assert_eq!(next(&mut s).await.event(), Event::Snapshot);
+    let m = metrics(broker.admin_addr.unwrap()).await;
+    assert_eq!(
+        get(
+            &m,
+            r#"crd_broker_limit_hits_total{limit="sets_per_caller"}"#
+        ),
+        1.0
+    );
 }
 
 /// The requests the broker made for the FeatureFlags of `default`: (verb, sendInitialEvents).

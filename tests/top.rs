@@ -142,12 +142,20 @@ async fn top_names_a_resource_whole_at_80_and_120_columns() {
     );
 }
 
-/// A tmux session that is killed when dropped.
+/// A tmux session on a tmux server of its own (`-L`), killed when dropped; the server ends with
+/// its last session.
 struct Session(String);
 
 impl Session {
+    fn tmux(&self) -> std::process::Command {
+        let mut tmux = std::process::Command::new("tmux");
+        tmux.args(["-L", &self.0]);
+        tmux
+    }
+
     fn capture(&self) -> String {
-        let out = std::process::Command::new("tmux")
+        let out = self
+            .tmux()
             .args(["capture-pane", "-p", "-t", &self.0])
             .output()
             .unwrap();
@@ -155,7 +163,8 @@ impl Session {
     }
 
     fn keys(&self, keys: &str) {
-        let status = std::process::Command::new("tmux")
+        let status = self
+            .tmux()
             .args(["send-keys", "-t", &self.0, keys])
             .status()
             .unwrap();
@@ -163,7 +172,7 @@ impl Session {
     }
 
     fn alive(&self) -> bool {
-        std::process::Command::new("tmux")
+        self.tmux()
             .args(["has-session", "-t", &self.0])
             .stderr(Stdio::null())
             .status()
@@ -173,7 +182,8 @@ impl Session {
 
 impl Drop for Session {
     fn drop(&mut self) {
-        let _ = std::process::Command::new("tmux")
+        let _ = self
+            .tmux()
             .args(["kill-session", "-t", &self.0])
             .stderr(Stdio::null())
             .status();
@@ -198,11 +208,19 @@ async fn top_runs_in_a_real_terminal_and_quits_on_q() {
     next(&mut s).await;
     let admin = broker.admin_addr.unwrap();
     let session = Session(format!("crd-broker-top-{}", std::process::id()));
-    let command = format!(
-        "{} top --admin http://{admin} --interval 200ms",
-        env!("CARGO_BIN_EXE_crd-broker")
-    );
-    let status = std::process::Command::new("tmux")
+    // Run by a keeper, which ends it (and so the session and its server) should this test
+    // binary be killed before it drops the session.
+    let admin = format!("http://{admin}");
+    let command = control_plane::leash::tree_line(&[
+        env!("CARGO_BIN_EXE_crd-broker"),
+        "top",
+        "--admin",
+        &admin,
+        "--interval",
+        "200ms",
+    ]);
+    let status = session
+        .tmux()
         .args([
             "new-session",
             "-d",

@@ -74,6 +74,7 @@ impl Replica {
             .stdout(Stdio::null())
             .stderr(Stdio::inherit())
             .kill_on_drop(true)
+            .leashed()
             .spawn()
             .unwrap();
         let admin = SocketAddr::new(ip, admin);
@@ -222,6 +223,7 @@ async fn follows(test: &str, mut client: tokio::process::Command) {
         .stdin(Stdio::piped())
         .stdout(Stdio::null())
         .kill_on_drop(true)
+        .leashed()
         .spawn()
         .unwrap();
 

@@ -554,6 +554,88 @@ they left ({} watches listed then); in later rounds, while / after: {}.
         st.watches_after,
         later.join(", ")
     );
+    let o = &a.overlapping_sets;
+    s += &format!(
+        "{} × distinct selectors over {} FeatureFlags of {} (each selects all of them), from one \
+caller: {} admitted of {} asked in {:.0} s{}; the API server served {} LISTs and held up to {} \
+WATCHes; memory {} before, {} at most, {} once they lingered out; another caller {} (first \
+message p50 / p99 {} / {} ms).
+
+",
+        o.attempted,
+        o.members,
+        kib(o.member_bytes as f64),
+        o.admitted,
+        o.attempted,
+        o.seconds,
+        o.stopped
+            .as_ref()
+            .map(|why| format!(", stopped: {why}"))
+            .unwrap_or_default(),
+        o.api_lists,
+        o.api_watches_peak,
+        mib(o.rss_before_bytes),
+        mib(o.rss_peak_bytes),
+        mib(o.rss_after_bytes),
+        if o.other_caller_served {
+            "was served throughout"
+        } else {
+            "was refused or timed out at times"
+        },
+        o.other_caller.p50_ms,
+        o.other_caller.p99_ms,
+    );
+    let x = &a.xds_fanout;
+    s += &format!(
+        "{} xDS streams of the endpoints over {} connections, one EndpointSlice change: every \
+stream had it {:.2} s after the write (p50 / p99 {} / {} ms, {} missed), {:.2} s of broker CPU; \
+memory {} before the streams, {} with them ({} a stream).
+
+",
+        x.streams,
+        x.connections,
+        x.change_to_all_seconds,
+        x.change.p50_ms,
+        x.change.p99_ms,
+        x.missed,
+        x.cpu_seconds,
+        mib(x.rss_before_bytes),
+        mib(x.rss_streams_bytes),
+        kib(
+            x.rss_streams_bytes.saturating_sub(x.rss_before_bytes) as f64 / x.streams.max(1) as f64
+        ),
+    );
+    let f = &a.proxy_token_flood;
+    s += &format!(
+        "{} new connections from a proxy's address, 100 a second, {} random tokens each, the API \
+server answering TokenReviews 429 (Retry-After 2 s): {} TokenReviews in {:.0} s; a valid \
+caller's first message p50 / p99 {} / {} ms ({} failed); a warm watch's delivery {} / {} ms; a \
+cold resource's first message {} / {} ms ({} failed or over 10 s).
+
+",
+        f.connections,
+        f.tokens_per_connection,
+        f.token_reviews,
+        f.seconds,
+        f.valid.p50_ms,
+        f.valid.p99_ms,
+        f.valid_failures,
+        f.delivery.p50_ms,
+        f.delivery.p99_ms,
+        f.cold_first.p50_ms,
+        f.cold_first.p99_ms,
+        f.cold_failures,
+    );
+    let r = &a.rbac_revoked;
+    s += &format!(
+        "The broker's ClusterRoleBinding deleted on a real kube-apiserver, restarted so that every \
+watch asks again, while the broker watched {} FeatureFlags one per namespace: over {:.0} s, {:.1} \
+requests a second; a new subscriber to a warm one got {}; every watch current again {:.1} s after \
+the binding came back.
+
+",
+        r.crs, r.revoked_seconds, r.requests_per_second, r.new_subscriber, r.recovery_seconds,
+    );
     let n = &a.cycled_names;
     let rounds: Vec<String> = n.rss_after_round_bytes.iter().map(|b| mib(*b)).collect();
     s += &format!(

@@ -8,10 +8,14 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use anyhow::Context;
+use control_plane::Leash;
 use tokio::io::AsyncWriteExt;
 use tokio::process::{Child, ChildStdin, Command};
 
 use crate::stats;
+
+/// The address a broker the harness starts serves gRPC on.
+pub const BROKER_IP: [u8; 4] = [127, 0, 9, 1];
 
 /// Which server.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
@@ -101,7 +105,9 @@ impl Target {
             "1000000",
         ]);
         all.extend(args);
-        Self::launch(bin, kubeconfig, &all, &[], log).await
+        // Newer limits as environment variables, which an older build ignores.
+        let env = [("CRD_BROKER_MAX_SETS_PER_CALLER", "1000000")];
+        Self::launch(bin, kubeconfig, &all, &env, log).await
     }
 
     /// Starts the broker binary against the API server behind `kubeconfig` with `args` and `env`
@@ -115,8 +121,12 @@ impl Target {
     ) -> anyhow::Result<Target> {
         let mut attempt = 1;
         loop {
-            let grpc: SocketAddr = ([127, 0, 0, 1], control_plane::free_port()).into();
-            match Self::launch_once(bin, kubeconfig, grpc, args, env, log.stdio()?).await {
+            // gRPC on an address no client connects from (a connection from the broker's own
+            // address is no pod's, for `--identity peer-pod`); the admin port on 127.0.0.1,
+            // where the harness reads `/debug` as the pod's own.
+            let grpc: SocketAddr = (BROKER_IP, control_plane::free_port()).into();
+            let admin: SocketAddr = ([127, 0, 0, 1], control_plane::free_port()).into();
+            match Self::launch_once(bin, kubeconfig, grpc, admin, args, env, log.stdio()?).await {
                 Err(e) if attempt < LAUNCHES => {
                     eprintln!("the broker did not start ({e:#}); again on other ports");
                     attempt += 1;
@@ -134,18 +144,28 @@ impl Target {
         grpc: SocketAddr,
         args: &[&str],
     ) -> anyhow::Result<Target> {
-        Self::launch_once(bin, kubeconfig, grpc, args, &[], Log::Inherit.stdio()?).await
+        let admin = SocketAddr::new(grpc.ip(), control_plane::free_port());
+        Self::launch_once(
+            bin,
+            kubeconfig,
+            grpc,
+            admin,
+            args,
+            &[],
+            Log::Inherit.stdio()?,
+        )
+        .await
     }
 
     async fn launch_once(
         bin: &Path,
         kubeconfig: &Path,
         grpc: SocketAddr,
+        admin: SocketAddr,
         args: &[&str],
         env: &[(&str, &str)],
         log: Stdio,
     ) -> anyhow::Result<Target> {
-        let admin = SocketAddr::new(grpc.ip(), control_plane::free_port());
         let child = Command::new(bin)
             .args([
                 "serve",
@@ -162,6 +182,7 @@ impl Target {
             .stdout(Stdio::null())
             .stderr(log)
             .kill_on_drop(true)
+            .leashed()
             .spawn()
             .with_context(|| format!("starting {}", bin.display()))?;
         let mut target = Target {
@@ -184,6 +205,7 @@ impl Target {
             .stdout(Stdio::null())
             .stderr(Stdio::inherit())
             .kill_on_drop(true)
+            .leashed()
             .spawn()?;
         let stdin = child.stdin.take();
         let mut target = Target {
@@ -235,6 +257,7 @@ impl Target {
             .stdout(log.stdio()?)
             .stderr(log.stdio()?)
             .kill_on_drop(true)
+            .leashed()
             .spawn()
             .with_context(|| format!("starting {}", bin.display()))?;
         let mut target = Target {

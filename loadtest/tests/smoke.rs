@@ -4,6 +4,7 @@
 use std::path::PathBuf;
 use std::process::Command;
 
+use control_plane::Leash;
 use serde_json::Value;
 
 /// The broker binary cargo built for this workspace (next to this test's directory).
@@ -31,6 +32,7 @@ fn harness(args: &[&str], out: &std::path::Path) -> std::process::ExitStatus {
         .arg("--out")
         .arg(out)
         .env("RUST_BACKTRACE", "0")
+        .leashed()
         .status()
         .expect("the harness runs")
 }
@@ -184,12 +186,27 @@ fn the_smoke_configuration_runs_every_scenario_and_loses_nothing() {
     let attacks = &results["attacks"];
     for cycle in attacks["set_cycles"].as_array().unwrap() {
         assert_eq!(
-            cycle["admitted"], 12,
-            "a caller's share of --max-watches 50, sets counted: {cycle}"
+            cycle["admitted"], 16,
+            "a caller's budget of sets (--max-sets-per-caller 16): {cycle}"
         );
-        assert_eq!(cycle["api_watches_after"], 12, "{cycle}");
+        assert_eq!(cycle["api_watches_after"], 16, "{cycle}");
         assert_eq!(cycle["other_caller_served"], true, "{cycle}");
     }
+    let overlapping = &attacks["overlapping_sets"];
+    assert_eq!(overlapping["admitted"], 16, "{overlapping}");
+    assert_eq!(overlapping["other_caller_served"], true, "{overlapping}");
+    let xds = &attacks["xds_fanout"];
+    assert_eq!(xds["missed"], 0, "every stream had the change: {xds}");
+    let proxied = &attacks["proxy_token_flood"];
+    let allowed = 100.0 + 10.0 * proxied["seconds"].as_f64().unwrap() + 1.0;
+    assert!(
+        proxied["token_reviews"].as_f64().unwrap() <= allowed,
+        "one bucket for every connection at the proxy's address: {proxied}"
+    );
+    assert_eq!(proxied["cold_failures"], 0, "{proxied}");
+    let rbac = &attacks["rbac_revoked"];
+    assert_eq!(rbac["new_subscriber"], "PermissionDenied", "{rbac}");
+    assert!(rbac["recovery_seconds"].as_f64().unwrap() < 60.0, "{rbac}");
     let flood = &attacks["token_flood"];
     let allowed = 100.0 + 10.0 * flood["flood_seconds"].as_f64().unwrap() + 1.0;
     assert!(

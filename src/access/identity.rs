@@ -28,7 +28,8 @@ pub enum Mesh {
     /// Istio: `x-forwarded-client-cert`, set by the sidecar, which removes a client's own on a
     /// plaintext connection; it delivers from 127.0.0.6 (`::6` over IPv6).
     Istio,
-    /// Linkerd: `l5d-client-id`, set by its proxy, which delivers from 127.0.0.1 (`::1`).
+    /// Linkerd: `l5d-client-id`, set by its proxy, which delivers from the pod's own IP to
+    /// itself since 2.11 (from 127.0.0.1 or `::1` before).
     Linkerd,
 }
 
@@ -57,7 +58,9 @@ impl Mesh {
         }
     }
 
-    /// The addresses its proxy delivers from, the default `--mesh-proxy-addr`.
+    /// The addresses its proxy delivers from, the default `--mesh-proxy-addr` (Linkerd's since
+    /// 2.11 is the pod's own IP, which needs no naming: a connection from the broker's own
+    /// address is taken as its proxy's with `--mesh linkerd`).
     pub fn proxy_addresses(self) -> &'static [&'static str] {
         match self {
             Mesh::Istio => &["127.0.0.6", "::6"],

@@ -2,7 +2,8 @@
 //! second (`--new-watch-rate`, a token bucket of `--new-watch-burst`), and watches a caller
 //! caused that are still open, lingering ones too (`--max-watches-per-caller`), so that one
 //! caller cannot exhaust the broker or the API server, or fill `--max-watches`, for everyone
-//! else.
+//! else. Sets have a budget of their own (`--max-sets-per-caller`): a set lists, watches and
+//! holds a whole namespace's worth of objects, so it is not charged like one object.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -22,6 +23,8 @@ pub struct Config {
     pub new_watch_burst: f64,
     /// Watches one caller's requests started that are open now (lingering ones too).
     pub max_watches_per_caller: usize,
+    /// Sets one caller's requests started that are open now (lingering ones too).
+    pub max_sets_per_caller: usize,
 }
 
 impl Default for Config {
@@ -32,6 +35,7 @@ impl Default for Config {
             new_watch_burst: DEFAULT_NEW_WATCH_BURST,
             // None of its own: `serve` gives each caller a share of `--max-watches`.
             max_watches_per_caller: usize::MAX,
+            max_sets_per_caller: DEFAULT_MAX_SETS_PER_CALLER,
         }
     }
 }
@@ -48,9 +52,41 @@ pub const DEFAULT_MAX_STREAMS_PER_CALLER: usize = 1000;
 pub const DEFAULT_NEW_WATCH_RATE: f64 = 20.0;
 /// The default `--new-watch-burst`: two full Subscribe requests of cold resources.
 pub const DEFAULT_NEW_WATCH_BURST: f64 = 200.0;
+/// The default `--max-sets-per-caller`: a workload follows a few sets (one per flag source),
+/// while each set costs a LIST, a WATCH and its members' bytes.
+pub const DEFAULT_MAX_SETS_PER_CALLER: usize = 16;
 
 /// Above this many callers tracked, idle ones are forgotten.
 const TRACKED: usize = 10_000;
+
+/// What is tracked of each key, whose idle entries are forgotten once it holds more than
+/// [`TRACKED`], and twice as many as after the last time: each entry is looked at once per
+/// doubling, so that more callers than that are not all scanned on every request.
+#[derive(Debug)]
+struct Tracked<T> {
+    entries: HashMap<String, T>,
+    after_sweep: usize,
+}
+
+impl<T> Default for Tracked<T> {
+    fn default() -> Self {
+        Tracked {
+            entries: HashMap::new(),
+            after_sweep: 0,
+        }
+    }
+}
+
+impl<T> Tracked<T> {
+    /// Forgets the entries `keep` says are idle, if it is time.
+    fn sweep(&mut self, mut keep: impl FnMut(&T) -> bool) {
+        if self.entries.len() <= TRACKED.max(2 * self.after_sweep) {
+            return;
+        }
+        self.entries.retain(|_, entry| keep(entry));
+        self.after_sweep = self.entries.len();
+    }
+}
 
 #[derive(Debug)]
 struct Account {
@@ -58,6 +94,26 @@ struct Account {
     new_watches: Bucket,
     /// Watches its requests started, open now.
     watches: usize,
+    /// Sets its requests started, open now.
+    sets: usize,
+}
+
+/// What a request starts that is not watched yet.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct New {
+    /// Resources.
+    pub watches: usize,
+    /// Sets.
+    pub sets: usize,
+}
+
+/// What a charge is for: a resource's watch or a set's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Charged {
+    /// A resource's watch (`--max-watches-per-caller`).
+    Watch,
+    /// A set's (`--max-sets-per-caller`).
+    Set,
 }
 
 /// A token bucket: `burst` tokens at most, refilled at `rate` a second.
@@ -100,7 +156,7 @@ impl Bucket {
 pub struct Rates {
     rate: f64,
     burst: f64,
-    buckets: Mutex<HashMap<String, Bucket>>,
+    buckets: Mutex<Tracked<Bucket>>,
 }
 
 impl Rates {
@@ -118,10 +174,9 @@ impl Rates {
         let (rate, burst) = (self.rate, self.burst);
         let now = Instant::now();
         let mut buckets = self.buckets.lock().unwrap_or_else(PoisonError::into_inner);
-        if buckets.len() > TRACKED {
-            buckets.retain(|_, b| b.level(rate, burst, now) < burst);
-        }
+        buckets.sweep(|b| b.level(rate, burst, now) < burst);
         buckets
+            .entries
             .entry(key.to_string())
             .or_insert_with(|| Bucket::full(burst, now))
             .take(1.0, rate, burst, now)
@@ -133,6 +188,7 @@ impl Rates {
         self.buckets
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
+            .entries
             .len()
     }
 
@@ -146,14 +202,14 @@ impl Rates {
 #[derive(Debug)]
 pub struct Limits {
     config: Config,
-    accounts: Arc<Mutex<HashMap<String, Account>>>,
+    accounts: Arc<Mutex<Tracked<Account>>>,
 }
 
 /// One open stream of a caller's, counted until dropped.
 #[derive(Debug)]
 pub struct Slot {
     key: Option<String>,
-    accounts: Arc<Mutex<HashMap<String, Account>>>,
+    accounts: Arc<Mutex<Tracked<Account>>>,
 }
 
 impl Limits {
@@ -171,6 +227,7 @@ impl Limits {
         self.accounts
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
+            .entries
             .iter()
             .filter(|(_, a)| a.streams > 0)
             .map(|(key, a)| (key.clone(), a.streams))
@@ -178,8 +235,9 @@ impl Limits {
     }
 
     /// Counts a new stream of the caller `key` (`None`: a caller the limits do not apply to)
-    /// that starts `new_watches` watches, or says which limit it would break.
-    pub fn admit(&self, key: Option<String>, new_watches: usize) -> Result<Slot, (Limit, String)> {
+    /// that starts `new` watches and sets, or says which limit it would break. Each new watch
+    /// and each new set takes a token of the new-watch rate.
+    pub fn admit(&self, key: Option<String>, new: New) -> Result<Slot, (Limit, String)> {
         let Some(key) = key else {
             return Ok(Slot {
                 key: None,
@@ -189,19 +247,19 @@ impl Limits {
         let c = self.config;
         let mut accounts = self.accounts.lock().unwrap_or_else(PoisonError::into_inner);
         let now = Instant::now();
-        if accounts.len() > TRACKED {
-            accounts.retain(|_, a| {
-                a.streams > 0
-                    || a.watches > 0
-                    || a.new_watches
-                        .level(c.new_watch_rate, c.new_watch_burst, now)
-                        < c.new_watch_burst
-            });
-        }
-        let account = accounts.entry(key.clone()).or_insert(Account {
+        accounts.sweep(|a| {
+            a.streams > 0
+                || a.watches > 0
+                || a.sets > 0
+                || a.new_watches
+                    .level(c.new_watch_rate, c.new_watch_burst, now)
+                    < c.new_watch_burst
+        });
+        let account = accounts.entries.entry(key.clone()).or_insert(Account {
             streams: 0,
             new_watches: Bucket::full(c.new_watch_burst, now),
             watches: 0,
+            sets: 0,
         });
         if account.streams >= c.max_streams_per_caller {
             return Err((
@@ -212,6 +270,7 @@ impl Limits {
                 ),
             ));
         }
+        let new_watches = new.watches;
         if new_watches > 0 && account.watches.saturating_add(new_watches) > c.max_watches_per_caller
         {
             return Err((
@@ -222,15 +281,22 @@ impl Limits {
                 ),
             ));
         }
+        if new.sets > 0 && account.sets.saturating_add(new.sets) > c.max_sets_per_caller {
+            return Err((
+                Limit::SetsPerCaller,
+                format!(
+                    "this request starts {} new sets, and this caller's requests keep {} open (lingering ones too) of at most {} (--max-sets-per-caller)",
+                    new.sets, account.sets, c.max_sets_per_caller
+                ),
+            ));
+        }
         let (rate, burst) = (c.new_watch_rate, c.new_watch_burst);
-        if let Err(available) = account
-            .new_watches
-            .take(new_watches as f64, rate, burst, now)
-        {
+        let starts = new_watches + new.sets;
+        if let Err(available) = account.new_watches.take(starts as f64, rate, burst, now) {
             return Err((
                 Limit::NewWatchRate,
                 format!(
-                    "this request starts {new_watches} new watches; this caller may start {available} now and {rate} per second (--new-watch-rate, --new-watch-burst)"
+                    "this request starts {starts} new watches; this caller may start {available} now and {rate} per second (--new-watch-rate, --new-watch-burst)"
                 ),
             ));
         }
@@ -243,31 +309,43 @@ impl Limits {
 }
 
 impl Slot {
-    /// A watch this stream's request started, charged to its caller until the watch ends
+    /// A watch or a set this stream's request started, charged to its caller until it ends
     /// (`None` for a caller the limits do not apply to).
-    pub fn charge(&self) -> Option<Charge> {
+    pub fn charge(&self, what: Charged) -> Option<Charge> {
         let key = self.key.clone()?;
         let mut accounts = self.accounts.lock().unwrap_or_else(PoisonError::into_inner);
-        accounts.get_mut(&key)?.watches += 1;
+        *accounts.entries.get_mut(&key)?.count(what) += 1;
         Some(Charge {
             key,
+            what,
             accounts: self.accounts.clone(),
         })
     }
 }
 
-/// One open watch charged to a caller, until dropped.
+impl Account {
+    fn count(&mut self, what: Charged) -> &mut usize {
+        match what {
+            Charged::Watch => &mut self.watches,
+            Charged::Set => &mut self.sets,
+        }
+    }
+}
+
+/// One open watch or set charged to a caller, until dropped.
 #[derive(Debug)]
 pub struct Charge {
     key: String,
-    accounts: Arc<Mutex<HashMap<String, Account>>>,
+    what: Charged,
+    accounts: Arc<Mutex<Tracked<Account>>>,
 }
 
 impl Drop for Charge {
     fn drop(&mut self) {
         let mut accounts = self.accounts.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(a) = accounts.get_mut(&self.key) {
-            a.watches = a.watches.saturating_sub(1);
+        if let Some(a) = accounts.entries.get_mut(&self.key) {
+            let count = a.count(self.what);
+            *count = count.saturating_sub(1);
         }
     }
 }
@@ -276,7 +354,7 @@ impl Drop for Slot {
     fn drop(&mut self) {
         let Some(key) = &self.key else { return };
         let mut accounts = self.accounts.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(a) = accounts.get_mut(key) {
+        if let Some(a) = accounts.entries.get_mut(key) {
             a.streams = a.streams.saturating_sub(1);
         }
     }
@@ -294,7 +372,52 @@ mod tests {
             new_watch_rate: rate,
             new_watch_burst: burst,
             max_watches_per_caller: 1000,
+            max_sets_per_caller: 1000,
         })
+    }
+
+    fn watches(n: usize) -> New {
+        New {
+            watches: n,
+            sets: 0,
+        }
+    }
+
+    fn sets(n: usize) -> New {
+        New {
+            watches: 0,
+            sets: n,
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn sets_have_a_budget_of_their_own_kept_until_they_end() {
+        let l = Limits::new(Config {
+            max_sets_per_caller: 2,
+            max_watches_per_caller: 1,
+            ..Config::default()
+        });
+        let a = l.admit(Some("a".into()), sets(2)).unwrap();
+        let held = [
+            a.charge(Charged::Set).unwrap(),
+            a.charge(Charged::Set).unwrap(),
+        ];
+        drop(a);
+        let (limit, why) = l.admit(Some("a".into()), sets(1)).unwrap_err();
+        assert_eq!(limit, Limit::SetsPerCaller);
+        assert!(
+            why.contains("keep 2 open") && why.contains("--max-sets-per-caller"),
+            "{why}"
+        );
+        // Its watches are counted apart: a resource is still within its share.
+        let a = l.admit(Some("a".into()), watches(1)).unwrap();
+        let _watch = a.charge(Charged::Watch).unwrap();
+        let _b = l
+            .admit(Some("b".into()), sets(2))
+            .expect("another caller has its own budget");
+        drop(held);
+        l.admit(Some("a".into()), sets(2))
+            .expect("ended sets are given back");
     }
 
     #[tokio::test(start_paused = true)]
@@ -303,42 +426,54 @@ mod tests {
             max_watches_per_caller: 3,
             ..Config::default()
         });
-        let a = l.admit(Some("a".into()), 2).unwrap();
-        let watches = [a.charge().unwrap(), a.charge().unwrap()];
+        let a = l.admit(Some("a".into()), watches(2)).unwrap();
+        let held = [
+            a.charge(Charged::Watch).unwrap(),
+            a.charge(Charged::Watch).unwrap(),
+        ];
         drop(a);
         // Its stream gone, its watches linger: they still count.
-        let (limit, why) = l.admit(Some("a".into()), 2).unwrap_err();
+        let (limit, why) = l.admit(Some("a".into()), watches(2)).unwrap_err();
         assert_eq!(limit, Limit::WatchesPerCaller);
         assert!(why.contains("keep 2 open"), "{why}");
-        let a = l.admit(Some("a".into()), 1).unwrap();
-        let _third = a.charge().unwrap();
+        let a = l.admit(Some("a".into()), watches(1)).unwrap();
+        let _third = a.charge(Charged::Watch).unwrap();
         let _warm = l
-            .admit(Some("a".into()), 0)
+            .admit(Some("a".into()), watches(0))
             .expect("warm ones cost nothing");
         let _b = l
-            .admit(Some("b".into()), 3)
+            .admit(Some("b".into()), watches(3))
             .expect("another caller has its own share");
-        drop(watches);
-        l.admit(Some("a".into()), 2)
+        drop(held);
+        l.admit(Some("a".into()), watches(2))
             .expect("ended watches are given back");
-        assert!(l.admit(None, 0).unwrap().charge().is_none());
+        assert!(
+            l.admit(None, watches(0))
+                .unwrap()
+                .charge(Charged::Watch)
+                .is_none()
+        );
     }
 
     #[tokio::test(start_paused = true)]
     async fn streams_are_counted_per_caller_until_dropped() {
         let l = limits(2, 100.0, 100.0);
-        let a1 = l.admit(Some("a".into()), 0).unwrap();
-        let _a2 = l.admit(Some("a".into()), 0).unwrap();
-        let (limit, why) = l.admit(Some("a".into()), 0).unwrap_err();
+        let a1 = l.admit(Some("a".into()), watches(0)).unwrap();
+        let _a2 = l.admit(Some("a".into()), watches(0)).unwrap();
+        let (limit, why) = l.admit(Some("a".into()), watches(0)).unwrap_err();
         assert_eq!(limit, Limit::StreamsPerCaller);
         assert!(why.contains("2 streams"), "{why}");
         let _b = l
-            .admit(Some("b".into()), 0)
+            .admit(Some("b".into()), watches(0))
             .expect("another caller is not held back");
         drop(a1);
-        l.admit(Some("a".into()), 0).expect("a slot came free");
+        l.admit(Some("a".into()), watches(0))
+            .expect("a slot came free");
         for _ in 0..10 {
-            std::mem::forget(l.admit(None, 0).expect("exempt callers are not counted"));
+            std::mem::forget(
+                l.admit(None, watches(0))
+                    .expect("exempt callers are not counted"),
+            );
         }
     }
 
@@ -346,18 +481,23 @@ mod tests {
     async fn new_watches_drain_a_bucket_that_refills_at_the_rate() {
         let l = limits(1000, 10.0, 20.0);
         let key = || Some("a".to_string());
-        let _s = l.admit(key(), 15).unwrap();
-        let (limit, _) = l.admit(key(), 6).unwrap_err();
+        let _s = l.admit(key(), watches(15)).unwrap();
+        let (limit, _) = l.admit(key(), watches(6)).unwrap_err();
         assert_eq!(limit, Limit::NewWatchRate);
-        let _s = l.admit(key(), 5).unwrap();
-        assert!(l.admit(key(), 1).is_err());
+        let _s = l.admit(key(), watches(5)).unwrap();
+        assert!(l.admit(key(), watches(1)).is_err());
         tokio::time::advance(Duration::from_millis(500)).await;
-        let _s = l.admit(key(), 5).unwrap();
-        assert!(l.admit(key(), 1).is_err());
+        let _s = l.admit(key(), watches(5)).unwrap();
+        assert!(l.admit(key(), watches(1)).is_err());
         tokio::time::advance(Duration::from_secs(60)).await;
-        assert!(l.admit(key(), 21).is_err(), "never more than the burst");
-        let _s = l.admit(key(), 20).unwrap();
-        let _w = l.admit(key(), 0).expect("warm subscriptions cost nothing");
+        assert!(
+            l.admit(key(), watches(21)).is_err(),
+            "never more than the burst"
+        );
+        let _s = l.admit(key(), watches(20)).unwrap();
+        let _w = l
+            .admit(key(), watches(0))
+            .expect("warm subscriptions cost nothing");
     }
 
     #[tokio::test(start_paused = true)]

@@ -50,8 +50,10 @@ use token::{Reviewed, Tokens};
 pub const DEFAULT_TOKEN_AUDIENCE: &str = "crd-broker";
 
 /// The addresses a local proxy may deliver from, without `--mesh`: Istio's inbound passthrough
-/// (`127.0.0.6`), and loopback for Linkerd. Callers there share an address, so it is not their
-/// limit key. With `--mesh`, that mesh's own ([`Mesh::proxy_addresses`]).
+/// (`127.0.0.6`), and loopback for Linkerd before 2.11. Callers there share an address, so it is
+/// not their limit key; nor is the broker's own address, which Linkerd 2.11 and later deliver
+/// every caller from ([`crate::conn::Peer::from_own_address`]). With `--mesh`, that mesh's own
+/// ([`Mesh::proxy_addresses`]).
 pub const DEFAULT_MESH_PROXIES: &[&str] = &["127.0.0.1", "127.0.0.6", "::1"];
 
 /// How the access layer is configured.
@@ -147,6 +149,9 @@ pub enum Caller {
         ip: Option<IpAddr>,
         /// The connection's number ([`Peer::id`]).
         connection: Option<u64>,
+        /// Whether the IP stands for many callers: a local proxy's address, or the broker's own
+        /// (a proxy in its pod that forwards to the pod's IP).
+        shared: bool,
     },
     /// A workload, and the source that identified it.
     Workload(Workload),
@@ -169,22 +174,26 @@ impl Caller {
         })
     }
 
-    /// The anonymous caller at `peer` (identity off).
-    fn anonymous(peer: &Peer) -> Caller {
+    /// The anonymous caller at `peer` (identity off), its address shared by many callers if it
+    /// is one of `proxies` or the broker's own.
+    fn anonymous(peer: &Peer, proxies: &[IpAddr]) -> Caller {
         Caller::Anonymous {
             ip: peer.ip(),
             connection: Some(peer.id),
+            shared: shared_address(peer, proxies),
         }
     }
 
     /// The key the limits count this caller under: the most specific thing known about it.
-    /// Where an address stands for many callers at once (with identity off, a local proxy at
-    /// one of `proxies`, or a unix socket), each connection is a caller of its own.
-    fn limit_key(&self, proxies: &[IpAddr]) -> Option<String> {
+    /// Where an address stands for many callers at once (with identity off, a local proxy's or
+    /// the broker's own, or a unix socket), each connection is a caller of its own.
+    fn limit_key(&self) -> Option<String> {
         match self {
-            Caller::Anonymous { ip: Some(ip), .. } if !proxies.contains(ip) => {
-                Some(format!("ip:{ip}"))
-            }
+            Caller::Anonymous {
+                ip: Some(ip),
+                shared: false,
+                ..
+            } => Some(format!("ip:{ip}")),
             Caller::Anonymous {
                 connection: Some(id),
                 ..
@@ -200,6 +209,12 @@ impl Caller {
             Caller::Local { uid } => Some(format!("unix:{}", uid.map_or(-1, i64::from))),
         }
     }
+}
+
+/// Whether `peer`'s address stands for many callers: a local proxy's (one of `proxies`), or the
+/// broker's own (a proxy in its pod that forwards to the pod's IP).
+fn shared_address(peer: &Peer, proxies: &[IpAddr]) -> bool {
+    peer.from_own_address() || peer.ip().is_some_and(|ip| proxies.contains(&ip))
 }
 
 impl fmt::Display for Caller {
@@ -403,7 +418,7 @@ impl Access {
         headers: &HeaderMap,
     ) -> Result<Caller, Status> {
         if !self.identifies() {
-            return Ok(Caller::anonymous(&conn.peer));
+            return Ok(Caller::anonymous(&conn.peer, &self.settings.mesh_proxies));
         }
         let mut tried = Vec::new();
         let mut failed = false;
@@ -476,6 +491,14 @@ impl Access {
         let Some(ip) = conn.peer.ip() else {
             return Outcome::Unidentified("not a TCP connection".into());
         };
+        if conn.peer.from_own_address() {
+            // The broker's own pod has this IP, but such a connection is a proxy in the pod
+            // delivering someone else's (Linkerd since 2.11), or a process beside the broker.
+            return Outcome::Unidentified(format!(
+                "the connection comes from the broker's own address ({ip}): a proxy in its pod \
+                 forwarding another pod's caller, or a process beside it, which is no pod's caller"
+            ));
+        }
         let Some(pods) = &self.peer_pods else {
             return Outcome::Failed("no Kubernetes API".into());
         };
@@ -488,6 +511,10 @@ impl Access {
             Found::Nobody(why) => Outcome::Unidentified(why),
             Found::Failed(why) => Outcome::Failed(why),
         }
+    }
+
+    fn shared_address(&self, peer: &Peer) -> bool {
+        shared_address(peer, &self.settings.mesh_proxies)
     }
 
     async fn by_token(&self, conn: &ConnIdentity, headers: &HeaderMap) -> Outcome {
@@ -511,10 +538,13 @@ impl Access {
         let Some(tokens) = &self.tokens else {
             return Outcome::Failed("no Kubernetes API".into());
         };
-        // Where the token comes from, as the limits would key the caller without one.
-        let source = Caller::anonymous(&conn.peer)
-            .limit_key(&self.settings.mesh_proxies)
-            .unwrap_or_else(|| format!("connection:{}", conn.peer.id));
+        // Where the token comes from: the caller's address, one for every caller at a proxy's
+        // (a new connection there is no new source), the connection on a unix socket.
+        let source = match conn.peer.ip() {
+            Some(ip) if self.shared_address(&conn.peer) => format!("proxy:{ip}"),
+            Some(ip) => format!("ip:{ip}"),
+            None => format!("connection:{}", conn.peer.id),
+        };
         match tokens.review(token, &source).await {
             Reviewed::ServiceAccount(w) => Outcome::Identified(Caller::Workload(w)),
             Reviewed::Refused(why) => Outcome::Unidentified(why),
@@ -555,10 +585,12 @@ impl Access {
                 other.header()
             ));
         }
+        // Linkerd's proxy delivers from the pod's own IP since 2.11 (from 127.0.0.1 before).
         let from_proxy = conn
             .peer
             .ip()
-            .is_some_and(|ip| self.settings.mesh_proxies.contains(&ip));
+            .is_some_and(|ip| self.settings.mesh_proxies.contains(&ip))
+            || (mesh == Mesh::Linkerd && conn.peer.from_own_address());
         if !from_proxy {
             // Anyone can send the header; only the local proxy's is believed.
             return Outcome::Unidentified(
@@ -631,17 +663,17 @@ impl Access {
         self.limits.callers()
     }
 
-    /// Admits a stream of `caller`'s over the resolved `selectors`, of which `new_watches` are
-    /// not watched yet, within the per-caller limits (RESOURCE_EXHAUSTED naming the limit).
+    /// Admits a stream of `caller`'s over the resolved `selectors`, of which `new` are not
+    /// watched yet, within the per-caller limits (RESOURCE_EXHAUSTED naming the limit).
     pub fn admit(
         &self,
         caller: &Caller,
         selectors: &[Selector],
-        new_watches: usize,
+        new: limits::New,
     ) -> Result<Ticket, Status> {
         let slot = self
             .limits
-            .admit(caller.limit_key(&self.settings.mesh_proxies), new_watches)
+            .admit(caller.limit_key(), new)
             .map_err(|(limit, why)| {
                 self.count_limit(limit);
                 Status::resource_exhausted(format!("{caller}: {why}"))
@@ -754,10 +786,10 @@ pub struct Ticket {
 }
 
 impl Ticket {
-    /// A watch this stream's request started, charged to its caller until the watch ends
-    /// (`--max-watches-per-caller`).
-    pub fn charge(&self) -> Option<limits::Charge> {
-        self.slot.charge()
+    /// A watch (`--max-watches-per-caller`) or a set (`--max-sets-per-caller`) this stream's
+    /// request started, charged to its caller until it ends.
+    pub fn charge(&self, what: limits::Charged) -> Option<limits::Charge> {
+        self.slot.charge(what)
     }
 
     /// Resolves with PERMISSION_DENIED if the stream is revoked; never otherwise.
@@ -822,7 +854,11 @@ mod tests {
         // The reload lands here, and finds no stream of this caller's to revoke.
         swap.send_replace(Arc::new(Policy::default()));
         access.revoke_what_the_policy_forbids();
-        let Err(refused) = access.admit(&caller, std::slice::from_ref(&selector), 1) else {
+        let one = limits::New {
+            watches: 1,
+            sets: 0,
+        };
+        let Err(refused) = access.admit(&caller, std::slice::from_ref(&selector), one) else {
             panic!("the policy in force no longer allows it");
         };
         assert_eq!(refused.code(), tonic::Code::PermissionDenied);
@@ -839,6 +875,8 @@ mod tests {
         let own: Selector = "featureflags.v1beta1.core.openfeature.dev/team-a/f"
             .parse()
             .unwrap();
-        access.admit(&caller, &[own], 1).expect("its own namespace");
+        access
+            .admit(&caller, &[own], one)
+            .expect("its own namespace");
     }
 }

@@ -5,8 +5,11 @@
 //! them, so a flood of made-up tokens cannot evict them. Refusals are remembered for
 //! [`REFUSED_TTL`] (a client repeating a bad token costs one review per that long), in a bounded
 //! cache of their own. And a token nobody has shown yet costs a review only within its source's
-//! rate ([`REVIEW_RATE`] a second, [`REVIEW_BURST`] at once, per source address); past it the
-//! caller is refused with RESOURCE_EXHAUSTED before the API server is asked.
+//! rate ([`REVIEW_RATE`] a second, [`REVIEW_BURST`] at once, per source address: every caller
+//! behind one proxy address shares that address's); past it the caller is refused with
+//! RESOURCE_EXHAUSTED before the API server is asked. Whatever the sources, at most
+//! [`MAX_REVIEWS_IN_FLIGHT`] reviews are asked at once: a flood from many sources waits for
+//! room, and past [`ROOM_WAIT`] is refused the same way.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -37,6 +40,12 @@ pub const REVIEW_BURST: f64 = 100.0;
 
 /// The longest a review may take.
 pub(crate) const REVIEW_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The most TokenReviews asked at once, from every source together.
+pub const MAX_REVIEWS_IN_FLIGHT: usize = 32;
+/// How long a review waits for room among [`MAX_REVIEWS_IN_FLIGHT`] before its caller is
+/// refused.
+pub const ROOM_WAIT: Duration = Duration::from_secs(1);
 
 /// The longest token looked at (projected tokens are about 1 KiB).
 pub const MAX_TOKEN: usize = 16 * 1024;
@@ -95,6 +104,7 @@ pub struct Tokens {
     /// Refusals, and the reviews in flight.
     others: FlightCache<Digest, Reviewed>,
     rates: crate::access::limits::Rates,
+    in_flight: Arc<tokio::sync::Semaphore>,
     reviews: Arc<AtomicU64>,
 }
 
@@ -107,6 +117,7 @@ impl Tokens {
             verified: Arc::default(),
             others: FlightCache::new(CAPACITY),
             rates: crate::access::limits::Rates::new(REVIEW_RATE, REVIEW_BURST),
+            in_flight: Arc::new(tokio::sync::Semaphore::new(MAX_REVIEWS_IN_FLIGHT)),
             reviews: Arc::default(),
         }
     }
@@ -142,10 +153,19 @@ impl Tokens {
         let audiences = self.audiences.clone();
         let reviews = self.reviews.clone();
         let verified = self.verified.clone();
+        let in_flight = self.in_flight.clone();
         let token = token.to_string();
         self.others
             .get(&key, move || {
                 async move {
+                    let room = tokio::time::timeout(ROOM_WAIT, in_flight.acquire_owned()).await;
+                    let Ok(Ok(_room)) = room else {
+                        let why = format!(
+                            "the broker is reviewing {MAX_REVIEWS_IN_FLIGHT} bearer tokens at once, \
+                             the most it asks the API server; retry later"
+                        );
+                        return (Reviewed::Limited(why), Duration::ZERO);
+                    };
                     reviews.fetch_add(1, Ordering::Relaxed);
                     let reviewed = review(client, &token, audiences).await;
                     let ttl = match &reviewed {

@@ -353,7 +353,8 @@ pub struct Serve {
     pub mesh: Option<access::Mesh>,
     /// The addresses a local mesh proxy delivers from: only their mesh header is believed
     /// (`mesh` identity; repeatable). Default: `--mesh`'s proxy (istio: 127.0.0.6 and ::6;
-    /// linkerd: 127.0.0.1 and ::1); without `--mesh`, 127.0.0.1, 127.0.0.6 and ::1.
+    /// linkerd: 127.0.0.1 and ::1, and the broker's own address, which Linkerd 2.11 and later
+    /// deliver from); without `--mesh`, 127.0.0.1, 127.0.0.6 and ::1.
     #[arg(
         long = "mesh-proxy-addr",
         env = "CRD_BROKER_MESH_PROXY_ADDR",
@@ -370,6 +371,10 @@ pub struct Serve {
     /// broker cannot tell apart is one connection); `0`: a quarter of `--max-watches`.
     #[arg(long, env = "CRD_BROKER_MAX_WATCHES_PER_CALLER", default_value_t = 0)]
     pub max_watches_per_caller: usize,
+    /// The most sets one caller's requests may keep open, lingering ones too: each set lists,
+    /// watches and holds its members (a caller the broker cannot tell apart is one connection).
+    #[arg(long, env = "CRD_BROKER_MAX_SETS_PER_CALLER", default_value_t = limits::DEFAULT_MAX_SETS_PER_CALLER)]
+    pub max_sets_per_caller: usize,
     /// The most streams one caller may have open at once.
     #[arg(long, env = "CRD_BROKER_MAX_STREAMS_PER_CALLER", default_value_t = limits::DEFAULT_MAX_STREAMS_PER_CALLER)]
     pub max_streams_per_caller: usize,
@@ -574,6 +579,7 @@ impl Serve {
                         0 => limits::share_of(self.max_watches),
                         n => n,
                     },
+                    max_sets_per_caller: self.max_sets_per_caller,
                 },
                 api: None,
                 client_certificates: self.tls_client_ca.is_some(),
@@ -659,7 +665,7 @@ impl Serve {
                     .confined_to(self.namespaces.clone())
                     .with_namespace_watch_threshold(self.namespace_watch_threshold)
                     .with_streaming_lists(self.api_streaming_lists);
-                config.access.api = Some(source.client().clone());
+                config.access.api = Some(source.access_client());
                 run_until_signal(listeners, source, config).await
             }
         }

@@ -72,8 +72,8 @@ impl Protocol {
     /// The [`crate::registry::Update::wire`] slot for this protocol's encoding.
     fn slot(self) -> usize {
         match self {
-            Protocol::Flagd => 1,
-            Protocol::Legacy => 2,
+            Protocol::Flagd => crate::registry::slot::FLAGD,
+            Protocol::Legacy => crate::registry::slot::FLAGD_LEGACY,
         }
     }
 
@@ -109,39 +109,125 @@ pub fn flag_configuration(object_json: &[u8]) -> String {
     }
 }
 
-/// The merged flag configuration of a set's FeatureFlags, in name order: each flag key (and
-/// `$evaluators` key) from the first FeatureFlag that defines it; the keys that a later one
-/// defined again.
+/// What a merge reads of one FeatureFlag: its namespace, and each of its flags and
+/// `$evaluators` as written (JSON kept as text, not rebuilt). Decoded once per state of the
+/// FeatureFlag ([`crate::registry::Update::decoded`]), so a change to one member of a large set
+/// costs its own decoding, not every member's.
+#[derive(Debug, Default)]
+pub struct MemberSpec {
+    namespace: String,
+    flags: Vec<(String, Box<serde_json::value::RawValue>)>,
+    evaluators: Vec<(String, Box<serde_json::value::RawValue>)>,
+}
+
+impl MemberSpec {
+    /// The spec of the FeatureFlag `object`; none of its flags if they do not parse.
+    pub fn of(object: &crate::source::Object) -> MemberSpec {
+        #[derive(serde::Deserialize, Default)]
+        struct Document {
+            #[serde(default)]
+            metadata: Metadata,
+            #[serde(default)]
+            spec: Option<FeatureFlagSpec>,
+        }
+        #[derive(serde::Deserialize, Default)]
+        struct Metadata {
+            #[serde(default)]
+            namespace: String,
+        }
+        #[derive(serde::Deserialize)]
+        struct FeatureFlagSpec {
+            #[serde(rename = "flagSpec", default)]
+            flag_spec: Option<FlagSpec>,
+        }
+        #[derive(serde::Deserialize)]
+        struct FlagSpec {
+            #[serde(default)]
+            flags: Option<std::collections::BTreeMap<String, Box<serde_json::value::RawValue>>>,
+            #[serde(rename = "$evaluators", default)]
+            evaluators:
+                Option<std::collections::BTreeMap<String, Box<serde_json::value::RawValue>>>,
+        }
+        let document: Document = serde_json::from_slice(&object.json).unwrap_or_default();
+        let spec = document.spec.and_then(|s| s.flag_spec);
+        let (flags, evaluators) = spec.map_or((None, None), |s| (s.flags, s.evaluators));
+        MemberSpec {
+            namespace: document.metadata.namespace,
+            flags: flags.into_iter().flatten().collect(),
+            evaluators: evaluators.into_iter().flatten().collect(),
+        }
+    }
+}
+
+/// The merged flag configuration of a set's FeatureFlags, given in name order (namespace, then
+/// name, for a set of every namespace): each flag key (and `$evaluators` key) from the first
+/// FeatureFlag of its namespace that defines it; the keys defined again. A key that FeatureFlags
+/// of two namespaces define is served from neither: no namespace may shadow another's flag by
+/// sorting first.
 pub fn merged_configuration<'a>(
-    objects: impl IntoIterator<Item = &'a crate::source::Object>,
+    specs: impl IntoIterator<Item = &'a MemberSpec>,
 ) -> (String, Vec<String>) {
-    let mut flags = serde_json::Map::new();
-    let mut evaluators = serde_json::Map::new();
+    use serde_json::value::RawValue;
+    use std::collections::BTreeMap;
+    // Each key: the namespace that defined it first, its JSON, and whether another namespace
+    // defines it too.
+    type Merged<'s> = BTreeMap<&'s str, (&'s str, &'s RawValue, bool)>;
+    let mut flags: Merged = BTreeMap::new();
+    let mut evaluators: Merged = BTreeMap::new();
     let mut conflicts = Vec::new();
-    for object in objects {
-        let spec: Value =
-            serde_json::from_str(&flag_configuration(&object.json)).unwrap_or_default();
-        for (field, into) in [("flags", &mut flags), ("$evaluators", &mut evaluators)] {
-            for (key, value) in spec[field].as_object().into_iter().flatten() {
-                if into.contains_key(key) {
-                    conflicts.push(format!("{field}.{key}"));
-                } else {
-                    into.insert(key.clone(), value.clone());
+    for spec in specs {
+        for (field, from, into) in [
+            ("flags", &spec.flags, &mut flags),
+            ("$evaluators", &spec.evaluators, &mut evaluators),
+        ] {
+            for (key, value) in from {
+                match into.get_mut(key.as_str()) {
+                    None => {
+                        into.insert(key, (&spec.namespace, value, false));
+                    }
+                    Some((namespace, _, _)) if *namespace == spec.namespace => {
+                        conflicts.push(format!("{field}.{key}"));
+                    }
+                    Some((namespace, _, across)) => {
+                        conflicts.push(format!(
+                            "{field}.{key} (in {namespace} and {}: served from neither)",
+                            spec.namespace
+                        ));
+                        *across = true;
+                    }
                 }
             }
         }
     }
-    let mut config = serde_json::Map::new();
-    config.insert("flags".into(), Value::Object(flags));
-    if !evaluators.is_empty() {
-        config.insert("$evaluators".into(), Value::Object(evaluators));
+    let write = |text: &mut String, merged: &Merged| {
+        text.push('{');
+        let mut first = true;
+        for (key, (_, value, across)) in merged {
+            if *across {
+                continue;
+            }
+            if !std::mem::take(&mut first) {
+                text.push(',');
+            }
+            text.push_str(&Value::from(*key).to_string());
+            text.push(':');
+            text.push_str(value.get());
+        }
+        text.push('}');
+    };
+    let mut config = String::from("{\"flags\":");
+    write(&mut config, &flags);
+    if evaluators.values().any(|(_, _, across)| !across) {
+        config.push_str(",\"$evaluators\":");
+        write(&mut config, &evaluators);
     }
-    (Value::Object(config).to_string(), conflicts)
+    config.push('}');
+    (config, conflicts)
 }
 
 /// Which [`Members::wire`] slot holds a set's merged configuration as text; the protocols'
 /// encodings of it are in their own slots.
-const MERGED: usize = 3;
+const MERGED: usize = crate::registry::slot::FLAGD_MERGED;
 
 /// The merged configuration of a set's `members` once listed (`None` before), encoded for
 /// `protocol`, or as text for none. It is made and encoded once per state of the set, whatever
@@ -159,11 +245,15 @@ fn merged(
         };
     }
     let text = members.wire(MERGED, |members| {
-        let objects = members.objects.values().map(|u| &u.object);
-        let (config, conflicts) = merged_configuration(objects);
+        let specs: Vec<Arc<MemberSpec>> = members
+            .objects
+            .values()
+            .map(|u| u.decoded(MemberSpec::of))
+            .collect();
+        let (config, conflicts) = merged_configuration(specs.iter().map(|s| &**s));
         if !conflicts.is_empty() {
             metrics.subscriptions.flag_conflicts.inc_by(conflicts.len() as u64);
-            tracing::warn!(%set, keys = ?conflicts, "flags defined by more than one FeatureFlag of a set; the first in name order is kept");
+            tracing::warn!(%set, keys = ?conflicts, "flags defined by more than one FeatureFlag of a set; the first in name order of a namespace is kept, and one two namespaces define is served from neither");
         }
         config.into()
     });
@@ -591,6 +681,54 @@ impl<S: Source> legacy::flag_sync_service_server::FlagSyncService for LegacyServ
 mod tests {
     use super::*;
     use tonic::metadata::MetadataValue;
+
+    fn member(namespace: &str, flags: serde_json::Value) -> MemberSpec {
+        let object = serde_json::json!({
+            "metadata": { "name": "f", "namespace": namespace },
+            "spec": { "flagSpec": { "flags": flags, "$evaluators": { "e": { "in": [1] } } } },
+        });
+        MemberSpec::of(&crate::source::Object::from_value(&object))
+    }
+
+    #[test]
+    fn a_merge_keeps_a_namespaces_first_definition_and_serves_no_key_two_namespaces_define() {
+        let specs = [
+            member(
+                "team-a",
+                serde_json::json!({ "x": { "v": 1 }, "y": { "v": 1 } }),
+            ),
+            member(
+                "team-a",
+                serde_json::json!({ "y": { "v": 2 }, "z": { "v": 2 } }),
+            ),
+            member(
+                "team-b",
+                serde_json::json!({ "z": { "v": 3 }, "w": { "v": 3 } }),
+            ),
+        ];
+        let (config, conflicts) = merged_configuration(&specs);
+        let config: Value = serde_json::from_str(&config).unwrap();
+        assert_eq!(
+            config["flags"],
+            serde_json::json!({ "w": { "v": 3 }, "x": { "v": 1 }, "y": { "v": 1 } }),
+            "y from team-a's first; z, in both namespaces, from neither"
+        );
+        assert_eq!(
+            conflicts,
+            [
+                "flags.y",
+                "$evaluators.e",
+                "flags.z (in team-a and team-b: served from neither)",
+                "$evaluators.e (in team-a and team-b: served from neither)",
+            ]
+        );
+        assert!(config.get("$evaluators").is_none(), "{config}");
+        // One namespace: as before, the first in name order.
+        let (config, _) = merged_configuration(&specs[..2]);
+        let config: Value = serde_json::from_str(&config).unwrap();
+        assert_eq!(config["flags"]["y"]["v"], 1);
+        assert_eq!(config["$evaluators"]["e"]["in"][0], 1);
+    }
 
     fn meta(header: Option<&str>) -> MetadataMap {
         let mut m = MetadataMap::new();

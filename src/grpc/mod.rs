@@ -10,12 +10,13 @@ use futures::stream::{self, BoxStream, Stream, StreamExt};
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 
+use crate::access::limits::{Charged, New};
 use crate::access::{Access, Caller, Ticket};
 use crate::conn::{ConnDrain, DrainReason};
 use crate::pb;
 use crate::pb::broker_server::Broker;
 use crate::pb::subscribe_response::Event;
-use crate::registry::{Registry, State, Subscription, Update, Watched};
+use crate::registry::{Refused, Registry, State, Subscription, Update, Watched};
 use crate::selector::{KindRef, ParseError, Selector};
 use crate::source::{ALL_NAMESPACES, Set, Source, SourceError};
 use crate::telemetry::{
@@ -35,7 +36,7 @@ use messages::{End, Messages, Next};
 pub const MAX_RESOURCES: usize = 100;
 
 /// Which [`Update::wire`] slot holds the native protocol's encoding.
-const NATIVE_WIRE: usize = 0;
+const NATIVE_WIRE: usize = crate::registry::slot::NATIVE;
 
 /// The status a source error becomes, for the resource at `index`.
 pub fn source_status(index: usize, error: &SourceError) -> Status {
@@ -64,6 +65,9 @@ fn indexed(index: usize, status: Status) -> Status {
 
 /// What a request may name: a resource, or a set.
 pub(crate) trait Wanted: Watched {
+    /// What its watch is charged to its caller as.
+    const CHARGED: Charged;
+
     /// The resource the policy and the source's resolution judge it by.
     fn probe(&self) -> Selector;
 
@@ -72,6 +76,8 @@ pub(crate) trait Wanted: Watched {
 }
 
 impl Wanted for Selector {
+    const CHARGED: Charged = Charged::Watch;
+
     fn probe(&self) -> Selector {
         self.clone()
     }
@@ -82,6 +88,8 @@ impl Wanted for Selector {
 }
 
 impl Wanted for Set {
+    const CHARGED: Charged = Charged::Set;
+
     fn probe(&self) -> Selector {
         // Policy and resolution look at the kind and namespace only; the name is never read.
         self.member("set")
@@ -144,18 +152,36 @@ pub(crate) async fn admit<S: Source, W: Wanted>(
             registry.len()
         )));
     }
-    let ticket = Arc::new(access.admit(caller, &judged, cold.len())?);
+    let new = match W::CHARGED {
+        Charged::Watch => New {
+            watches: cold.len(),
+            sets: 0,
+        },
+        Charged::Set => New {
+            watches: 0,
+            sets: cold.len(),
+        },
+    };
+    let ticket = Arc::new(access.admit(caller, &judged, new)?);
     let mut subscriptions = Vec::with_capacity(canonical.len());
     for w in &canonical {
         let charge = || {
             ticket
-                .charge()
+                .charge(W::CHARGED)
                 .map(|c| Box::new(c) as crate::registry::Charge)
         };
-        subscriptions.push(registry.try_subscribe(w, charge).map_err(|full| {
-            access.count_limit(Limit::MaxWatches);
-            Status::resource_exhausted(full.to_string())
-        })?);
+        let subscription = registry
+            .try_subscribe(w, charge)
+            .map_err(|refused| match refused {
+                Refused::Full(full) => {
+                    access.count_limit(Limit::MaxWatches);
+                    Status::resource_exhausted(full.to_string())
+                }
+                Refused::Forbidden(error) => {
+                    Status::permission_denied(format!("the broker may not read it now: {error}"))
+                }
+            })?;
+        subscriptions.push(subscription);
     }
     Ok(Admitted {
         canonical,

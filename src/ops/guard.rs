@@ -2,12 +2,13 @@
 //! made-up ones included, and every caller's identity) and, when asked, `/metrics`. Probes
 //! (`/livez`, `/readyz`, gRPC health) stay open to all.
 //!
-//! A caller in the broker's own network namespace (its connection comes from the address it
-//! reaches: 127.0.0.1 to 127.0.0.1, the pod's IP to itself) is always let in: the pod's own
-//! containers, `kubectl port-forward` and `kubectl exec`, which the API server has authorized
-//! already. Anyone else needs `--debug-endpoints public`, or with `--admin-auth kubernetes` a
-//! bearer token the API server verifies (TokenReview) for a user it allows to `get` the path as a
-//! nonResourceURL (SubjectAccessReview), as controller-runtime's metrics filter does.
+//! A caller on the pod's loopback (127.0.0.1 to 127.0.0.1, `::1` to `::1`) is always let in: the
+//! pod's own containers, `kubectl port-forward` and `kubectl exec`, which the API server has
+//! authorized already. A connection from the pod's IP to itself is not: that is how Linkerd's
+//! proxy (since 2.11) delivers every caller, from anywhere. Anyone else needs `--debug-endpoints
+//! public`, or with `--admin-auth kubernetes` a bearer token the API server verifies
+//! (TokenReview) for a user it allows to `get` the path as a nonResourceURL
+//! (SubjectAccessReview), as controller-runtime's metrics filter does.
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
@@ -87,12 +88,24 @@ impl
 }
 
 impl Ends {
-    /// Whether the caller is in the broker's own network namespace: its connection comes from
-    /// the address it reaches.
+    /// Whether the caller is in the broker's own pod: its connection is on the pod's loopback,
+    /// from the address it reaches. From the pod's IP to itself is a proxy's delivery (Linkerd
+    /// since 2.11), and 127.0.0.6 to the pod's IP Istio's: neither is taken for the pod's own.
     fn own(&self) -> bool {
-        let canonical = |ip: IpAddr| ip.to_canonical();
-        self.local
-            .is_some_and(|local| canonical(local.ip()) == canonical(self.remote.ip()))
+        let remote = self.remote.ip().to_canonical();
+        is_localhost(remote)
+            && self
+                .local
+                .is_some_and(|local| local.ip().to_canonical() == remote)
+    }
+}
+
+/// `127.0.0.1` or `::1`, the addresses `kubectl port-forward` and the pod's own containers reach
+/// the broker on; not the rest of 127.0.0.0/8, which proxies use (Istio's 127.0.0.6).
+fn is_localhost(ip: IpAddr) -> bool {
+    match ip {
+        IpAddr::V4(v4) => v4.octets() == [127, 0, 0, 1],
+        IpAddr::V6(v6) => v6.is_loopback(),
     }
 }
 

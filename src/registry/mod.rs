@@ -39,6 +39,7 @@ use crate::selector::Selector;
 use crate::source::{Object, Source, SourceError};
 use crate::telemetry::{ErrorLabels, Metrics, ResourceLabels, StopLabels, StopReason};
 
+mod pool;
 #[cfg(test)]
 mod tests;
 mod watched;
@@ -66,8 +67,22 @@ pub enum State {
     Failed(SourceError),
 }
 
-/// How many wire forms an update can carry (one per protocol).
-pub const WIRE_SLOTS: usize = 4;
+/// How many wire forms an update, or a set's members, can carry (one per protocol).
+pub const WIRE_SLOTS: usize = 5;
+
+/// The wire slots, each protocol's: in one place, so that two cannot take the same one.
+pub mod slot {
+    /// The native protocol's encoding of a resource.
+    pub const NATIVE: usize = 0;
+    /// flagd sync's configuration (of a resource, or merged from a set's members).
+    pub const FLAGD: usize = 1;
+    /// The legacy `sync.v1` configuration.
+    pub const FLAGD_LEGACY: usize = 2;
+    /// A set's members merged into one flagd configuration (text).
+    pub const FLAGD_MERGED: usize = 3;
+    /// The xDS endpoints (a ClusterLoadAssignment) of the EndpointSlices' set.
+    pub const XDS_ENDPOINTS: usize = 4;
+}
 
 /// An encoded form of an update, with a digest of its bytes for cheap comparisons.
 #[derive(Debug, Clone, PartialEq)]
@@ -97,6 +112,8 @@ pub struct Update {
     /// The object.
     pub object: Object,
     wire: [OnceLock<Wire>; WIRE_SLOTS],
+    /// A protocol's decoded form of the object (see [`Update::decoded`]).
+    decoded: OnceLock<Arc<dyn std::any::Any + Send + Sync>>,
     /// When the source reported it.
     pub published: Instant,
     /// Subscribers at publication that have not written it yet.
@@ -109,6 +126,7 @@ impl Update {
         Update {
             object,
             wire: Default::default(),
+            decoded: OnceLock::new(),
             published: Instant::now(),
             pending: AtomicUsize::new(0),
         }
@@ -130,6 +148,22 @@ impl Update {
         self.wire[slot % WIRE_SLOTS]
             .get_or_init(|| Wire::new(encode(&self.object)))
             .clone()
+    }
+
+    /// The object decoded by `decode` the first time it is asked for, and shared after: what a
+    /// protocol reads of each member of a set it merges, decoded once per state of the member
+    /// rather than once per merge. One decoded form is kept; another type is decoded anew.
+    pub fn decoded<T: Send + Sync + 'static>(&self, decode: impl FnOnce(&Object) -> T) -> Arc<T> {
+        if let Some(held) = self.decoded.get() {
+            return match held.clone().downcast::<T>() {
+                Ok(value) => value,
+                Err(_) => Arc::new(decode(&self.object)),
+            };
+        }
+        let value = Arc::new(decode(&self.object));
+        // Two first askers at once each decode; one's is kept.
+        let _ = self.decoded.set(value.clone());
+        value
     }
 
     fn same_version(&self, other: &Object) -> bool {
@@ -179,6 +213,18 @@ pub struct Full {
     pub max: usize,
 }
 
+/// Why a subscription was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Refused {
+    /// A new watch, with the registry full.
+    #[error(transparent)]
+    Full(#[from] Full),
+    /// The API server's last answer to the watch was Forbidden: the broker may no longer read
+    /// what it holds, so nobody new is given it (those already subscribed keep their streams).
+    #[error("{0}")]
+    Forbidden(SourceError),
+}
+
 /// What the registry knows about one watch, for the admin endpoint and tests.
 #[derive(Debug, Clone, PartialEq)]
 pub struct WatchStatus {
@@ -212,6 +258,8 @@ struct Stats {
     errors: AtomicU64,
     updates: AtomicU64,
     stale_since: Mutex<Option<SystemTime>>,
+    /// The Forbidden error the source last reported, until it reports anything else.
+    forbidden: Mutex<Option<SourceError>>,
 }
 
 impl Stats {
@@ -346,20 +394,30 @@ impl<S: Source> Registry<S> {
     }
 
     /// As [`Registry::subscribe`], unless that would start a watch while the registry already
-    /// holds its `max_watches`; a watch it starts is charged to `charge()` until it ends.
+    /// holds its `max_watches`, or the watch's last answer was Forbidden; a watch it starts is
+    /// charged to `charge()` until it ends.
     pub fn try_subscribe<W: Watched>(
         &self,
         watched: &W,
         charge: impl FnOnce() -> Option<Charge>,
-    ) -> Result<Subscription<W::State>, Full> {
+    ) -> Result<Subscription<W::State>, Refused> {
         if let Some(subscription) = self.warm(watched) {
-            return Ok(subscription);
+            let forbidden = subscription
+                .stats
+                .forbidden
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .clone();
+            return match forbidden {
+                Some(error) => Err(Refused::Forbidden(error)),
+                None => Ok(subscription),
+            };
         }
         // Counted before the entry's shard is locked (`len` locks every shard in turn), so a
         // burst of cold subscribes may pass the bound by a few.
         let max = self.inner.max_watches;
         if self.inner.len() >= max {
-            return Err(Full { max });
+            return Err(Full { max }.into());
         }
         Ok(self.start(watched, charge))
     }
@@ -399,6 +457,7 @@ impl<S: Source> Registry<S> {
                     errors: AtomicU64::new(0),
                     updates: AtomicU64::new(0),
                     stale_since: Mutex::new(None),
+                    forbidden: Mutex::new(None),
                 });
                 let (tx, _) = watch::channel(W::State::default());
                 v.insert(Entry {
@@ -507,7 +566,7 @@ async fn run_watch<S: Source, W: Watched>(
                     if W::error(&report).is_some_and(SourceError::is_gone) {
                         inner.source.forget(watched.kind());
                     }
-                    publish::<W>(&tx, &stats, &inner.metrics, &labels, report);
+                    publish::<W>(&tx, &stats, &inner.metrics, &labels, report, &inner.tables.members);
                 }
                 None => {
                     // Sources retry by themselves and do not end; if one does, start it again.
@@ -536,12 +595,19 @@ fn publish<W: Watched>(
     metrics: &Metrics,
     labels: &ResourceLabels,
     report: W::Report,
+    members: &pool::Pool,
 ) {
     let now = SystemTime::now();
     *stats
         .last_event
         .lock()
         .unwrap_or_else(PoisonError::into_inner) = Some(now);
+    *stats
+        .forbidden
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner) = W::error(&report)
+        .filter(|e| matches!(e, SourceError::Forbidden(_)))
+        .cloned();
     let failed = match W::error(&report) {
         Some(error) => {
             stats.errors.fetch_add(1, Ordering::Relaxed);
@@ -573,7 +639,7 @@ fn publish<W: Watched>(
             .get_or_create(labels)
             .inc_by(missed);
     };
-    if W::apply(tx, report, &skipped) && !failed {
+    if W::apply(tx, report, &skipped, members) && !failed {
         stats.updates.fetch_add(1, Ordering::Relaxed);
         metrics.watch.updates.get_or_create(labels).inc();
     }

@@ -372,3 +372,45 @@ async fn subscribes_racing_teardowns_always_land_on_a_live_watch() {
     tokio::time::sleep(Duration::from_millis(100)).await;
     assert_eq!((registry.len(), source.live(), registry.tasks()), (0, 0, 0));
 }
+
+fn member(uid: &str, rv: u64) -> Object {
+    Object {
+        json: Bytes::from(format!(r#"{{"rv":{rv}}}"#)),
+        uid: uid.to_string(),
+        resource_version: rv.to_string(),
+    }
+}
+
+/// Two sets that select the same object at the same resourceVersion (`!x1` and `!x2` over one
+/// namespace) hold one state of it, not a copy each; a newer version in one is its own.
+#[test]
+fn sets_holding_one_object_at_one_version_share_its_state() {
+    use crate::source::{Set, SetEvent};
+    let pool = pool::Pool::default();
+    let (a, _a) = watch::channel(Members::default());
+    let (b, _b) = watch::channel(Members::default());
+    let listed = || {
+        SetEvent::Listed(vec![
+            ("f".to_string(), member("u1", 3)),
+            ("g".to_string(), member("u2", 4)),
+        ])
+    };
+    assert!(Set::apply(&a, listed(), &|_| {}, &pool));
+    assert!(Set::apply(&b, listed(), &|_| {}, &pool));
+    let shared = |key: &str| Arc::ptr_eq(&a.borrow().objects[key], &b.borrow().objects[key]);
+    assert!(shared("f") && shared("g"));
+    assert!(Set::apply(
+        &a,
+        SetEvent::Applied("f".into(), member("u1", 5)),
+        &|_| {},
+        &pool
+    ));
+    assert!(!shared("f"), "b still holds version 3");
+    assert!(Set::apply(
+        &b,
+        SetEvent::Applied("f".into(), member("u1", 5)),
+        &|_| {},
+        &pool
+    ));
+    assert!(shared("f"), "both at version 5 share it again");
+}

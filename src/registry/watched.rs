@@ -11,6 +11,7 @@ use dashmap::DashMap;
 use futures::stream::BoxStream;
 use tokio::sync::watch;
 
+use super::pool::Pool;
 use super::{Entry, State, Update, WIRE_SLOTS, Wire};
 use crate::selector::{KindRef, Selector};
 use crate::source::{Observed, Set, SetEvent, Source, SourceError};
@@ -34,8 +35,14 @@ pub trait Watched:
     fn error(report: &Self::Report) -> Option<&SourceError>;
 
     /// Applies `report` to the state in `tx`; whether subscribers see a new state. `skipped`
-    /// is told how many subscribers never wrote a state it replaced.
-    fn apply(tx: &watch::Sender<Self::State>, report: Self::Report, skipped: &dyn Fn(u64)) -> bool;
+    /// is told how many subscribers never wrote a state it replaced; a set's members come from
+    /// `pool`, shared with every other set that holds them.
+    fn apply(
+        tx: &watch::Sender<Self::State>,
+        report: Self::Report,
+        skipped: &dyn Fn(u64),
+        pool: &Pool,
+    ) -> bool;
 
     /// What `/debug/watches` says of `state`: a resource's resourceVersion, a set's member count.
     fn summary(state: &Self::State) -> Summary;
@@ -44,11 +51,13 @@ pub trait Watched:
     fn table(tables: &Tables) -> &DashMap<Self, Entry<Self::State>>;
 }
 
-/// The registry's tables: one per type of [`Watched`], counted together against `--max-watches`.
+/// The registry's tables: one per type of [`Watched`], counted together against `--max-watches`;
+/// and the sets' members, held once across them.
 #[derive(Default)]
 pub struct Tables {
     pub(super) ones: DashMap<Selector, Entry<State>>,
     pub(super) sets: DashMap<Set, Entry<Members>>,
+    pub(super) members: Pool,
 }
 
 /// What `/debug/watches` says of a watch's state.
@@ -76,7 +85,12 @@ impl Watched for Selector {
         report.as_ref().err()
     }
 
-    fn apply(tx: &watch::Sender<State>, report: Self::Report, skipped: &dyn Fn(u64)) -> bool {
+    fn apply(
+        tx: &watch::Sender<State>,
+        report: Self::Report,
+        skipped: &dyn Fn(u64),
+        _: &Pool,
+    ) -> bool {
         let subscribers = tx.receiver_count();
         // Subscribers present when `old` was published that have not written it now skip it.
         let skip = |old: &Update| {
@@ -203,7 +217,7 @@ impl Watched for Set {
         }
     }
 
-    fn apply(tx: &watch::Sender<Members>, report: SetEvent, _: &dyn Fn(u64)) -> bool {
+    fn apply(tx: &watch::Sender<Members>, report: SetEvent, _: &dyn Fn(u64), pool: &Pool) -> bool {
         tx.send_if_modified(|members| {
             let changed = match report {
                 SetEvent::Listed(objects) => {
@@ -216,7 +230,7 @@ impl Watched for Set {
                             .map(|(key, object)| {
                                 let update = match old.get(&key) {
                                     Some(u) if u.same_version(&object) => u.clone(),
-                                    _ => Arc::new(Update::new(object)),
+                                    _ => pool.update(object),
                                 };
                                 (key, update)
                             })
@@ -234,8 +248,7 @@ impl Watched for Set {
                     {
                         false
                     } else {
-                        Arc::make_mut(&mut members.objects)
-                            .insert(key, Arc::new(Update::new(object)));
+                        Arc::make_mut(&mut members.objects).insert(key, pool.update(object));
                         true
                     }
                 }

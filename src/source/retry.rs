@@ -1,11 +1,14 @@
 //! How a source's watches retry: a jittered exponential [`Backoff`] each, reset once a watch has
 //! held, and one shared [`Recovery`] that notices when an unreachable API server answers again,
 //! so that watches waiting out an outage return within moments of it, spread over
-//! [`RECOVERY_SPREAD`] instead of in lockstep (ADR 0013).
+//! [`RECOVERY_SPREAD`] instead of in lockstep (ADR 0013). A server that answers but refuses
+//! (403, 404) is asked again by one watch per collection at a time ([`Refusals`]), and one that
+//! keeps refusing or failing (5xx) more slowly, as client-go does (to [`REFUSED_BACKOFF_MAX`]).
 
+use std::collections::HashMap;
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::Duration;
 
 use futures::future::BoxFuture;
@@ -22,6 +25,17 @@ pub const BACKOFF_MAX: Duration = Duration::from_secs(3);
 /// A watch that has held this long was re-established: its next failure starts the backoff
 /// over.
 pub const HELD: Duration = Duration::from_secs(1);
+
+/// The first retry after a refusal (403, 404) or a server failure (5xx) waits about this long
+/// (client-go's reflector: 800 ms, doubling to 30 s, jittered).
+pub const REFUSED_BACKOFF_BASE: Duration = Duration::from_millis(800);
+
+/// No retry after refusals waits longer than this.
+pub const REFUSED_BACKOFF_MAX: Duration = Duration::from_secs(30);
+
+/// The longest a refused watch waits for another of its collection to get through before it
+/// asks again itself (in case what refused the other does not refuse it).
+pub const REFUSED_WAIT_MAX: Duration = Duration::from_secs(300);
 
 /// How often an API server that stopped answering is asked whether it is back.
 pub const PROBE_EVERY: Duration = Duration::from_millis(500);
@@ -50,11 +64,137 @@ impl Backoff {
         if self.held_since.take().is_some_and(|t| t.elapsed() >= HELD) {
             self.attempt = 0;
         }
-        let full = BACKOFF_BASE
-            .saturating_mul(1 << self.attempt.min(16))
-            .min(BACKOFF_MAX);
+        self.next(BACKOFF_BASE, BACKOFF_MAX)
+    }
+
+    /// The server answered, refusing (403, 404) or failing (5xx): how long to wait, on the
+    /// slower backoff to [`REFUSED_BACKOFF_MAX`].
+    pub fn refused(&mut self) -> Duration {
+        if self.held_since.take().is_some_and(|t| t.elapsed() >= HELD) {
+            self.attempt = 0;
+        }
+        self.next(REFUSED_BACKOFF_BASE, REFUSED_BACKOFF_MAX)
+    }
+
+    fn next(&mut self, base: Duration, max: Duration) -> Duration {
+        let full = base.saturating_mul(1 << self.attempt.min(16)).min(max);
         self.attempt = self.attempt.saturating_add(1);
         full.mul_f64(0.5 + fastrand::f64() * 0.5)
+    }
+}
+
+/// Watches the API server refuses (403, 404) or fails (5xx) while it answers, by collection (a
+/// kind in a namespace): one of them, the probe, asks again on its own backoff; the rest wait
+/// until it gets through, then return spread over [`RECOVERY_SPREAD`], or until
+/// [`REFUSED_WAIT_MAX`] has passed. RBAC taken away for 5,000 watched names costs the API server
+/// one request per collection per backoff, not one per name.
+#[derive(Default)]
+pub struct Refusals {
+    gates: Mutex<HashMap<String, Weak<Gate>>>,
+}
+
+struct Gate {
+    /// Bumped each time the probe gets through.
+    through: watch::Sender<u64>,
+    /// Whether a watch is the probe now.
+    probing: AtomicBool,
+    /// Told when the probe goes without getting through (its watch dropped): one waiter asks
+    /// again, and takes over.
+    probe_left: tokio::sync::Notify,
+}
+
+/// A refused watch's place at its collection's gate: the probe, or a waiter.
+pub struct Turn {
+    gate: Arc<Gate>,
+    probe: bool,
+    /// What the waiter has seen of the probe's successes since it joined: one after that wakes
+    /// it, even if it comes before the waiter starts to wait.
+    seen: watch::Receiver<u64>,
+}
+
+impl Refusals {
+    /// A watch of the collection `key` was refused: its turn, the probe if none is.
+    pub fn refused(&self, key: &str) -> Turn {
+        let mut gates = self.gates.lock().unwrap_or_else(PoisonError::into_inner);
+        let gate = match gates.get(key).and_then(Weak::upgrade) {
+            Some(gate) => gate,
+            None => {
+                gates.retain(|_, gate| gate.strong_count() > 0);
+                let gate = Arc::new(Gate {
+                    through: watch::channel(0).0,
+                    probing: AtomicBool::new(false),
+                    probe_left: tokio::sync::Notify::new(),
+                });
+                gates.insert(key.to_string(), Arc::downgrade(&gate));
+                gate
+            }
+        };
+        let probe = !gate.probing.swap(true, Ordering::AcqRel);
+        let mut seen = gate.through.subscribe();
+        seen.mark_unchanged();
+        Turn { gate, probe, seen }
+    }
+
+    /// Collections with a refused watch now.
+    pub fn len(&self) -> usize {
+        let gates = self.gates.lock().unwrap_or_else(PoisonError::into_inner);
+        gates
+            .values()
+            .filter(|gate| gate.strong_count() > 0)
+            .count()
+    }
+
+    /// Whether no collection has a refused watch.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl Turn {
+    /// Waits before the watch asks again: the probe `delay` (its own backoff); a waiter until
+    /// the probe gets through, then a random moment within [`RECOVERY_SPREAD`], or until the
+    /// probe goes without getting through, or until a random moment between half and all of
+    /// [`REFUSED_WAIT_MAX`].
+    pub fn wait(&self, delay: Duration) -> impl Future<Output = ()> + Send + 'static {
+        let probe = self.probe;
+        let mut through = self.seen.clone();
+        let gate = self.gate.clone();
+        async move {
+            if probe {
+                return tokio::time::sleep(delay).await;
+            }
+            let most = REFUSED_WAIT_MAX.mul_f64(0.5 + fastrand::f64() * 0.5);
+            tokio::select! {
+                _ = tokio::time::sleep(most) => {}
+                _ = gate.probe_left.notified() => {}
+                Ok(()) = through.changed() => {
+                    tokio::time::sleep(RECOVERY_SPREAD.mul_f64(fastrand::f64())).await;
+                }
+            }
+        }
+    }
+
+    /// The watch got through: every waiter of its collection asks again.
+    pub fn through(mut self) {
+        self.gate.through.send_modify(|n| *n += 1);
+        if std::mem::take(&mut self.probe) {
+            self.gate.probing.store(false, Ordering::Release);
+        }
+    }
+
+    /// Whether this watch is its collection's probe.
+    pub fn is_probe(&self) -> bool {
+        self.probe
+    }
+}
+
+impl Drop for Turn {
+    fn drop(&mut self) {
+        // The probe gone without getting through (its watch dropped): a waiter takes over.
+        if self.probe {
+            self.gate.probing.store(false, Ordering::Release);
+            self.gate.probe_left.notify_one();
+        }
     }
 }
 
@@ -216,6 +356,86 @@ mod tests {
         assert!(
             took <= Duration::from_secs(5) + PROBE_EVERY + RECOVERY_SPREAD,
             "{took:?}"
+        );
+    }
+
+    #[test]
+    fn refusals_back_off_slower_to_thirty_seconds() {
+        let mut b = Backoff::default();
+        let first = b.refused();
+        assert!(first >= REFUSED_BACKOFF_BASE / 2 && first <= REFUSED_BACKOFF_BASE);
+        let waits: Vec<Duration> = (0..10).map(|_| b.refused()).collect();
+        assert!(waits.iter().all(|w| *w <= REFUSED_BACKOFF_MAX));
+        assert!(waits[9] >= REFUSED_BACKOFF_MAX / 2, "{waits:?}");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn one_refused_watch_per_collection_asks_and_the_rest_wait_for_it() {
+        let refusals = Refusals::default();
+        let probe = refusals.refused("ns-a/widgets");
+        assert!(probe.is_probe());
+        let waiters: Vec<Turn> = (0..100).map(|_| refusals.refused("ns-a/widgets")).collect();
+        assert!(waiters.iter().all(|t| !t.is_probe()));
+        assert!(
+            refusals.refused("ns-b/widgets").is_probe(),
+            "another collection has its own"
+        );
+        let start = Instant::now();
+        let woken: Vec<_> = waiters
+            .iter()
+            .map(|t| tokio::spawn(t.wait(Duration::from_secs(1))))
+            .collect();
+        tokio::time::sleep(Duration::from_secs(20)).await;
+        assert!(
+            woken.iter().all(|w| !w.is_finished()),
+            "waiting for the probe"
+        );
+        probe.through();
+        for w in woken {
+            w.await.unwrap();
+        }
+        assert!(start.elapsed() <= Duration::from_secs(20) + RECOVERY_SPREAD);
+        // The probe through and gone: the next refusal probes again.
+        let next = waiters.into_iter().next().unwrap();
+        drop(next);
+        assert!(refusals.refused("ns-a/widgets").is_probe());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_probe_that_goes_hands_over_and_a_success_before_the_wait_still_wakes() {
+        let refusals = Refusals::default();
+        let probe = refusals.refused("k");
+        let waiter = refusals.refused("k");
+        let start = Instant::now();
+        drop(probe);
+        waiter.wait(Duration::from_secs(1)).await;
+        assert!(
+            start.elapsed() < Duration::from_secs(1),
+            "woken to take over"
+        );
+        drop(waiter);
+        assert!(refusals.refused("k").is_probe());
+        // A success between a waiter's refusal and its wait is not missed.
+        let refusals = Refusals::default();
+        let probe = refusals.refused("k");
+        let waiter = refusals.refused("k");
+        probe.through();
+        let start = Instant::now();
+        waiter.wait(Duration::from_secs(1)).await;
+        assert!(start.elapsed() <= RECOVERY_SPREAD);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_waiter_whose_probe_never_gets_through_asks_again_itself() {
+        let refusals = Refusals::default();
+        let _probe = refusals.refused("k");
+        let waiter = refusals.refused("k");
+        let start = Instant::now();
+        waiter.wait(Duration::from_secs(1)).await;
+        let waited = start.elapsed();
+        assert!(
+            waited >= REFUSED_WAIT_MAX / 2 && waited <= REFUSED_WAIT_MAX,
+            "{waited:?}"
         );
     }
 

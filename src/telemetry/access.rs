@@ -19,6 +19,8 @@ pub enum Limit {
     RequestSize,
     /// `--max-watches-per-caller`: watches a caller started, open now.
     WatchesPerCaller,
+    /// `--max-sets-per-caller`: sets a caller started, open now.
+    SetsPerCaller,
     /// New bearer tokens reviewed per source address.
     TokenReviews,
 }
@@ -29,6 +31,7 @@ label_values!(Limit {
     NewWatchRate => "new_watch_rate",
     RequestSize => "request_size",
     WatchesPerCaller => "watches_per_caller",
+    SetsPerCaller => "sets_per_caller",
     TokenReviews => "token_reviews",
 });
 
@@ -188,6 +191,7 @@ impl AccessMetrics {
             Limit::NewWatchRate,
             Limit::RequestSize,
             Limit::WatchesPerCaller,
+            Limit::SetsPerCaller,
             Limit::TokenReviews,
         ] {
             let _ = self.limit_hits.get_or_create(&LimitLabels { limit });

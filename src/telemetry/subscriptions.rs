@@ -109,7 +109,7 @@ impl SubscriptionMetrics {
         );
         registry.register(
             "flag_conflicts",
-            "Flag keys defined by more than one FeatureFlag of a set served to flagd clients; the first in name order is kept",
+            "Flag keys defined by more than one FeatureFlag of a set served to flagd clients; the first in name order of a namespace is kept, and a key two namespaces define is served from neither",
             self.flag_conflicts.clone(),
         );
     }

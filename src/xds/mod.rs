@@ -26,18 +26,20 @@ use envoy_types::pb::envoy::service::discovery::v3::{
 use envoy_types::pb::google::protobuf::Any;
 use futures::StreamExt;
 use futures::stream::BoxStream;
-use tokio::sync::{mpsc, watch};
+use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::access::{Access, Caller};
 use crate::conn::{Peer, PeerAddr, canonical_ip};
-use crate::registry::{Members, Registry, Subscription};
+use crate::registry::{Members, Registry, Subscription, Wire, slot};
 use crate::selector::{KindRef, is_dns_label};
 use crate::source::{Set, Source};
 use crate::telemetry::{Metrics, Open};
 
-/// The Service whose replicas the xDS server serves: `NAME.NAMESPACE:PORT`.
+/// The Service whose replicas the xDS server serves: `NAME.NAMESPACE:PORT`, or
+/// `NAME.NAMESPACE:PORT/PORT-NAME` where the Service's port differs from its `targetPort` (an
+/// EndpointSlice lists the target port, under the Service port's name).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct XdsService {
     /// The Service's name.
@@ -46,6 +48,8 @@ pub struct XdsService {
     pub namespace: String,
     /// The port clients dial.
     pub port: u16,
+    /// The Service port's name, if given.
+    pub port_name: Option<String>,
 }
 
 impl XdsService {
@@ -97,7 +101,9 @@ impl std::fmt::Display for XdsService {
 
 /// Why `--xds-service` is not valid.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("--xds-service {0:?}: {1} (expected NAME.NAMESPACE:PORT, e.g. crd-broker.flags:8013)")]
+#[error(
+    "--xds-service {0:?}: {1} (expected NAME.NAMESPACE:PORT or NAME.NAMESPACE:PORT/PORT-NAME, e.g. crd-broker.flags:8013/grpc)"
+)]
 pub struct XdsServiceError(String, &'static str);
 
 impl FromStr for XdsService {
@@ -107,6 +113,11 @@ impl FromStr for XdsService {
         let shown: String = text.chars().take(100).collect();
         let err = |why| XdsServiceError(shown.clone(), why);
         let (host, port) = text.rsplit_once(':').ok_or_else(|| err("no port"))?;
+        let (port, port_name) = match port.split_once('/') {
+            Some((port, name)) if is_dns_label(name) => (port, Some(name.to_string())),
+            Some(_) => return Err(err("the port's name is not a DNS label")),
+            None => (port, None),
+        };
         let port = port
             .parse::<u16>()
             .ok()
@@ -123,6 +134,7 @@ impl FromStr for XdsService {
             name: name.into(),
             namespace: namespace.into(),
             port,
+            port_name,
         })
     }
 }
@@ -161,6 +173,7 @@ impl Drain {
 /// The xDS server.
 pub struct Xds<S> {
     service: XdsService,
+    shared: Arc<Shared>,
     registry: Registry<S>,
     access: Arc<Access>,
     drain: Drain,
@@ -178,6 +191,7 @@ impl<S: Source> Xds<S> {
         shutdown: CancellationToken,
     ) -> Self {
         Xds {
+            shared: Arc::new(Shared::new(service.clone())),
             service,
             registry,
             access,
@@ -192,56 +206,150 @@ impl<S: Source> Xds<S> {
     fn subscribe(&self) -> Result<Subscription<Members>, Status> {
         self.registry
             .try_subscribe(&self.service.endpoint_slices(), || None)
-            .map_err(|full| Status::resource_exhausted(full.to_string()))
+            .map_err(|refused| match refused {
+                crate::registry::Refused::Full(full) => {
+                    Status::resource_exhausted(full.to_string())
+                }
+                crate::registry::Refused::Forbidden(error) => Status::unavailable(format!(
+                    "the broker may not read its Service's EndpointSlices now: {error}"
+                )),
+            })
     }
+}
+
+/// The most resource names one request may carry for a type, and the longest name: a gRPC
+/// client names one Listener and one Cluster; names past these are refused with
+/// INVALID_ARGUMENT rather than stored and answered.
+pub const MAX_NAMES: usize = 16;
+/// See [`MAX_NAMES`].
+pub const MAX_NAME_BYTES: usize = 512;
+
+/// What one stream follows of one type: only what the server serves is kept (a client cannot
+/// make a stream hold names nobody serves).
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+struct Wanted {
+    /// Whether it asked for anything (an empty list after names unsubscribes).
+    subscribed: bool,
+    /// The Listeners it names that name the Service (for the Listener type).
+    listeners: BTreeSet<String>,
+    /// Whether it names the Cluster (for the Cluster and endpoint types), or every resource of
+    /// the type (a wildcard: `*`, or the legacy empty first request of Listeners and Clusters).
+    cluster: bool,
 }
 
 /// What one stream has asked for and been sent of one type.
 #[derive(Default)]
 struct Sent {
-    names: BTreeSet<String>,
+    wanted: Wanted,
+    /// Whether a request of the type came on the stream.
+    asked: bool,
+    /// Whether its first request named nothing (the legacy wildcard, for Listeners and Clusters).
+    legacy_wildcard: bool,
     version: Option<String>,
     nonce: String,
+    /// A hash of the last version the client refused, so that a NACK it repeats is logged once.
+    refused: Option<u64>,
+}
+
+/// What every stream of the server shares: the Cluster, built once, and this replica's
+/// endpoints while it drains, built once per state of the slices and address.
+struct Shared {
+    service: XdsService,
+    cluster: Any,
+    draining: std::sync::Mutex<Vec<(u64, IpAddr, Wire)>>,
+}
+
+impl Shared {
+    fn new(service: XdsService) -> Self {
+        Shared {
+            cluster: resources::cluster(&service),
+            service,
+            draining: std::sync::Mutex::default(),
+        }
+    }
+
+    /// The endpoints of `members`, encoded once per state and shared by every stream; while
+    /// this replica drains, with `own` (its address as the client reached it) DRAINING, once per
+    /// state and address.
+    fn endpoints(&self, members: &Members, own: Option<IpAddr>) -> Wire {
+        let encode = |own| {
+            let replicas = resources::replicas(members, &self.service, own);
+            bytes::Bytes::from(resources::endpoints(&self.service, &replicas).value)
+        };
+        let plain = members.wire(slot::XDS_ENDPOINTS, |_| encode(None));
+        let Some(own) = own else {
+            return plain;
+        };
+        let mut draining = self
+            .draining
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some((_, _, wire)) = draining
+            .iter()
+            .find(|(state, ip, _)| *state == plain.digest && *ip == own)
+        {
+            return wire.clone();
+        }
+        let wire = Wire::new(encode(Some(own)));
+        // A replica drains once; a few addresses and states are all this ever holds.
+        if draining.len() >= 8 {
+            draining.remove(0);
+        }
+        draining.push((plain.digest, own, wire.clone()));
+        wire
+    }
+}
+
+/// Why a request is refused: INVALID_ARGUMENT, and the stream ends.
+fn refuse(type_url: &str, why: String) -> Status {
+    let shown: String = type_url.chars().take(100).collect();
+    Status::invalid_argument(format!("an xDS request for {shown}: {why}"))
 }
 
 /// One ADS stream.
 struct Stream {
-    service: XdsService,
+    shared: Arc<Shared>,
     /// Where its responses and NACKs are counted.
     metrics: Arc<Metrics>,
     /// This replica's address as the client reached it.
     own: Option<IpAddr>,
-    types: HashMap<String, Sent>,
+    types: HashMap<&'static str, Sent>,
     nonces: u64,
 }
 
 impl Stream {
-    /// The resources of `type_url` among `names`, and their version (a digest of them).
+    /// The resources of `type_url` the stream wants, and their version (a digest of them);
+    /// `None` while the endpoints are not listed yet.
     fn resources(
         &self,
         type_url: &str,
-        names: &BTreeSet<String>,
+        wanted: &Wanted,
         members: &Members,
         draining: bool,
     ) -> Option<(String, Vec<Any>)> {
-        let cluster = self.service.cluster();
+        let service = &self.shared.service;
         let resources: Vec<Any> = match type_url {
-            resources::LISTENER => names
+            resources::LISTENER => wanted
+                .listeners
                 .iter()
-                .filter(|name| self.service.named_by(name))
-                .map(|name| resources::listener(name, &self.service))
+                .map(|name| resources::listener(name, service))
                 .collect(),
-            resources::CLUSTER if names.contains(&cluster) => {
-                vec![resources::cluster(&self.service)]
-            }
-            resources::ENDPOINTS if names.contains(&cluster) => {
+            resources::CLUSTER if wanted.cluster => vec![self.shared.cluster.clone()],
+            resources::ENDPOINTS if wanted.cluster => {
                 // Not before the slices are listed: an empty list would say there is no replica.
                 if !members.synced {
                     return None;
                 }
-                let own = self.own.filter(|_| draining);
-                let replicas = resources::replicas(members, self.service.port, own);
-                vec![resources::endpoints(&self.service, &replicas)]
+                let wire = self
+                    .shared
+                    .endpoints(members, self.own.filter(|_| draining));
+                return Some((
+                    format!("{:016x}", wire.digest),
+                    vec![Any {
+                        type_url: resources::ENDPOINTS.to_string(),
+                        value: wire.bytes.to_vec(),
+                    }],
+                ));
             }
             _ => Vec::new(),
         };
@@ -256,16 +364,16 @@ impl Stream {
     /// else only when what the client holds differs.
     fn respond(
         &mut self,
-        type_url: &str,
+        type_url: &'static str,
         members: &Members,
         draining: bool,
         force: bool,
     ) -> Option<DiscoveryResponse> {
-        let names = self.types.get(type_url)?.names.clone();
-        if names.is_empty() {
+        let wanted = &self.types.get(type_url)?.wanted;
+        if !wanted.subscribed {
             return None;
         }
-        let (version, resources) = self.resources(type_url, &names, members, draining)?;
+        let (version, resources) = self.resources(type_url, wanted, members, draining)?;
         let sent = self.types.get_mut(type_url)?;
         if !force && sent.version.as_deref() == Some(version.as_str()) {
             return None;
@@ -285,61 +393,190 @@ impl Stream {
         })
     }
 
-    /// A client's request: what to answer, if anything.
+    /// A client's request: what to answer, if anything; an error ends the stream.
     fn request(
         &mut self,
         request: DiscoveryRequest,
         members: &Members,
         draining: bool,
-    ) -> Option<DiscoveryResponse> {
-        let type_url = request.type_url;
-        let Some(r#type) = resources::known(&type_url) else {
-            // Answered empty, the first time it is asked on the stream, and not kept: what a
-            // stream holds is bounded by the four types served.
-            tracing::debug!(type_url, "an xDS type this server does not serve");
-            if !request.response_nonce.is_empty() {
-                return None;
-            }
-            self.nonces += 1;
-            return Some(DiscoveryResponse {
-                type_url,
-                nonce: self.nonces.to_string(),
-                ..Default::default()
-            });
+    ) -> Result<Option<DiscoveryResponse>, Status> {
+        let Some(type_url) = resources::TYPES
+            .iter()
+            .copied()
+            .find(|t| *t == request.type_url)
+        else {
+            return Ok(self.unknown(request));
         };
-        let sent = self.types.entry(type_url.clone()).or_default();
+        let r#type = resources::known(type_url);
+        if request.resource_names.len() > MAX_NAMES {
+            return Err(refuse(
+                type_url,
+                format!(
+                    "{} resource names, more than the {MAX_NAMES} a request may carry",
+                    request.resource_names.len()
+                ),
+            ));
+        }
+        if let Some(long) = request
+            .resource_names
+            .iter()
+            .find(|n| n.len() > MAX_NAME_BYTES)
+        {
+            return Err(refuse(
+                type_url,
+                format!(
+                    "a resource name of {} bytes, longer than the {MAX_NAME_BYTES} a name may be",
+                    long.len()
+                ),
+            ));
+        }
+        let sent = self.types.entry(type_url).or_default();
         // A request that answers an older response than the last one sent is stale: the
         // client will answer the newer one too.
         if !request.response_nonce.is_empty() && request.response_nonce != sent.nonce {
-            return None;
+            return Ok(None);
         }
         if let Some(error) = &request.error_detail {
-            self.metrics.xds.refused(r#type);
-            let message: String = error.message.chars().take(500).collect();
-            tracing::warn!(
-                type_url,
-                version = request.version_info,
-                %message,
-                "an xDS client refused a response (NACK)"
-            );
+            if let Some(r#type) = r#type {
+                self.metrics.xds.refused(r#type);
+            }
+            // Counted every time; logged once per version refused, however often repeated.
+            let mut hash = std::collections::hash_map::DefaultHasher::new();
+            request.version_info.hash(&mut hash);
+            let refused = hash.finish();
+            if sent.refused != Some(refused) {
+                sent.refused = Some(refused);
+                let message: String = error.message.chars().take(500).collect();
+                let version: String = request.version_info.chars().take(100).collect();
+                tracing::warn!(
+                    type_url,
+                    version,
+                    %message,
+                    "an xDS client refused a response (NACK)"
+                );
+            }
         }
-        let names: BTreeSet<String> = request.resource_names.into_iter().collect();
-        let changed = names != sent.names;
-        sent.names = names;
+        if !sent.asked {
+            sent.asked = true;
+            sent.legacy_wildcard = request.resource_names.is_empty();
+        }
+        let listeners_or_clusters = matches!(type_url, resources::LISTENER | resources::CLUSTER);
+        let wildcard = request.resource_names.iter().any(|n| n == "*")
+            || (listeners_or_clusters && sent.legacy_wildcard && request.resource_names.is_empty());
+        let service = &self.shared.service;
+        let cluster = service.cluster();
+        let wanted = Wanted {
+            subscribed: wildcard || !request.resource_names.is_empty(),
+            listeners: match type_url {
+                resources::LISTENER if wildcard => BTreeSet::from([cluster.clone()]),
+                resources::LISTENER => request
+                    .resource_names
+                    .iter()
+                    .filter(|n| service.named_by(n))
+                    .cloned()
+                    .collect(),
+                _ => BTreeSet::new(),
+            },
+            cluster: matches!(type_url, resources::CLUSTER | resources::ENDPOINTS)
+                && (wildcard || request.resource_names.contains(&cluster)),
+        };
+        let changed = wanted != sent.wanted;
+        sent.wanted = wanted;
         // A request without a nonce opens the type on this stream (or resumes it on a new
         // one): it is always answered. An ACK or NACK is answered only if the subscription or
         // the resources changed.
         let force = request.response_nonce.is_empty() || changed;
-        self.respond(&type_url, members, draining, force)
+        Ok(self.respond(type_url, members, draining, force))
     }
 
-    /// What changed resources owe each type the client follows.
-    fn changes(&mut self, members: &Members, draining: bool) -> Vec<DiscoveryResponse> {
-        let types: Vec<String> = self.types.keys().cloned().collect();
-        types
-            .iter()
-            .filter_map(|t| self.respond(t, members, draining, false))
-            .collect()
+    /// A type the server does not serve: answered empty when asked without a nonce, and not
+    /// kept.
+    fn unknown(&mut self, request: DiscoveryRequest) -> Option<DiscoveryResponse> {
+        let shown: String = request.type_url.chars().take(100).collect();
+        tracing::debug!(type_url = shown, "an xDS type this server does not serve");
+        if !request.response_nonce.is_empty() {
+            return None;
+        }
+        self.nonces += 1;
+        Some(DiscoveryResponse {
+            type_url: request.type_url,
+            nonce: self.nonces.to_string(),
+            ..Default::default()
+        })
+    }
+
+    /// What a change of the slices or of the drain owes the client: only the endpoints depend
+    /// on either.
+    fn changes(&mut self, members: &Members, draining: bool) -> Option<DiscoveryResponse> {
+        self.respond(resources::ENDPOINTS, members, draining, false)
+    }
+}
+
+/// A stream's responses not yet taken by the client: one per type, the latest (a client that
+/// reads slowly skips intermediate versions and holds nothing more), and how the stream ends.
+#[derive(Default)]
+struct Outbox {
+    pending: std::sync::Mutex<Pending>,
+    ready: tokio::sync::Notify,
+}
+
+#[derive(Default)]
+struct Pending {
+    responses: std::collections::VecDeque<DiscoveryResponse>,
+    end: Option<Option<Status>>,
+}
+
+impl Outbox {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Pending> {
+        self.pending
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Queues `response`, in place of a pending one of its type.
+    fn put(&self, response: DiscoveryResponse) {
+        let mut pending = self.lock();
+        match pending
+            .responses
+            .iter_mut()
+            .find(|r| r.type_url == response.type_url)
+        {
+            Some(older) => *older = response,
+            None => pending.responses.push_back(response),
+        }
+        drop(pending);
+        self.ready.notify_one();
+    }
+
+    /// Ends the stream after what is pending, with `status` if given.
+    fn end(&self, status: Option<Status>) {
+        self.lock().end.get_or_insert(status);
+        self.ready.notify_one();
+    }
+
+    /// The next response, or the end.
+    async fn next(&self) -> Option<Result<DiscoveryResponse, Status>> {
+        loop {
+            let notified = self.ready.notified();
+            {
+                let mut pending = self.lock();
+                if let Some(response) = pending.responses.pop_front() {
+                    return Some(Ok(response));
+                }
+                match pending.end.take() {
+                    Some(Some(status)) => {
+                        pending.end = Some(None);
+                        return Some(Err(status));
+                    }
+                    Some(None) => {
+                        pending.end = Some(None);
+                        return None;
+                    }
+                    None => {}
+                }
+            }
+            notified.await;
+        }
     }
 }
 
@@ -367,66 +604,76 @@ impl<S: Source> AggregatedDiscoveryService for Xds<S> {
             .unwrap_or_else(|| self.shutdown.clone());
         // A stream of the caller's like any other: one caller cannot hold more than its share.
         let caller = Caller::of(request.extensions())?;
-        let ticket = self.access.admit(&caller, &[], 0)?;
+        let ticket = self.access.admit(&caller, &[], Default::default())?;
         let mut requests = request.into_inner();
         let mut members = self.subscribe()?;
         let mut draining = self.drain.watch();
         let mut stream = Stream {
-            service: self.service.clone(),
+            shared: self.shared.clone(),
             metrics: self.registry.metrics().clone(),
             own,
             types: HashMap::new(),
             nonces: 0,
         };
-        let (tx, rx) = mpsc::channel::<Result<DiscoveryResponse, Status>>(8);
+        let outbox = Arc::new(Outbox::default());
+        // The client gone (the response stream dropped), the stream's task ends.
+        let gone = CancellationToken::new();
         let open = Open::new(&stream.metrics.xds.streams);
-        tokio::spawn(async move {
-            let (_ticket, _open) = (ticket, open);
-            loop {
-                let out: Vec<DiscoveryResponse> = tokio::select! {
-                    next = requests.next() => match next {
-                        Some(Ok(request)) => {
+        tokio::spawn({
+            let (outbox, gone) = (outbox.clone(), gone.clone());
+            async move {
+                let (_ticket, _open) = (ticket, open);
+                let end = loop {
+                    let out = tokio::select! {
+                        next = requests.next() => match next {
+                            Some(Ok(request)) => {
+                                let state = members.current();
+                                let drains = *draining.borrow();
+                                match stream.request(request, &state, drains) {
+                                    Ok(response) => response,
+                                    Err(refusal) => break Some(refusal),
+                                }
+                            }
+                            Some(Err(status)) => {
+                                // Undecodable bytes, or the client gone (then nobody reads this).
+                                let why: String = status.message().chars().take(200).collect();
+                                break Some(Status::invalid_argument(format!(
+                                    "an xDS request that is not a DiscoveryRequest: {why}"
+                                )));
+                            }
+                            None => break None,
+                        },
+                        alive = members.changed() => {
+                            if !alive {
+                                break None;
+                            }
                             let state = members.current();
-                            let drains = *draining.borrow();
-                            stream.request(request, &state, drains).into_iter().collect()
+                            stream.changes(&state, *draining.borrow())
                         }
-                        Some(Err(status)) => {
-                            // Undecodable bytes, or the client gone (then nobody reads this).
-                            let why: String = status.message().chars().take(200).collect();
-                            let refusal = Status::invalid_argument(format!(
-                                "an xDS request that is not a DiscoveryRequest: {why}"
+                        Ok(()) = draining.changed() => {
+                            let state = members.current();
+                            stream.changes(&state, *draining.borrow_and_update())
+                        }
+                        _ = drain.cancelled() => {
+                            break Some(Status::unavailable(
+                                "the broker is draining this connection: resolve again",
                             ));
-                            let _ = tx.send(Err(refusal)).await;
-                            break;
                         }
-                        None => break,
-                    },
-                    alive = members.changed() => {
-                        if !alive {
-                            break;
-                        }
-                        let state = members.current();
-                        stream.changes(&state, *draining.borrow())
-                    }
-                    Ok(()) = draining.changed() => {
-                        let state = members.current();
-                        stream.changes(&state, *draining.borrow_and_update())
-                    }
-                    _ = drain.cancelled() => {
-                        let _ = tx.send(Err(Status::unavailable("the broker is draining this connection: resolve again"))).await;
-                        break;
+                        _ = gone.cancelled() => break None,
+                    };
+                    if let Some(response) = out {
+                        outbox.put(response);
                     }
                 };
-                for response in out {
-                    if tx.send(Ok(response)).await.is_err() {
-                        return;
-                    }
-                }
+                outbox.end(end);
             }
         });
-        Ok(Response::new(
-            tokio_stream::wrappers::ReceiverStream::new(rx).boxed(),
-        ))
+        let responses =
+            futures::stream::unfold((outbox, gone.drop_guard()), |(outbox, gone)| async move {
+                let next = outbox.next().await?;
+                Some((next, (outbox, gone)))
+            });
+        Ok(Response::new(responses.boxed()))
     }
 
     async fn delta_aggregated_resources(

@@ -43,6 +43,9 @@ pub const ENDPOINTS: &str = "type.googleapis.com/envoy.config.endpoint.v3.Cluste
 const HCM: &str = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager";
 const ROUTER: &str = "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router";
 
+/// The four types the server answers with resources.
+pub const TYPES: [&str; 4] = [LISTENER, ROUTE, CLUSTER, ENDPOINTS];
+
 /// Which of the four types the server answers with resources `type_url` is, if any.
 pub fn known(type_url: &str) -> Option<XdsType> {
     match type_url {
@@ -167,30 +170,45 @@ struct Conditions {
 
 #[derive(Deserialize)]
 struct SlicePort {
+    name: Option<String>,
     port: Option<u16>,
 }
 
-/// The replicas `members` (the Service's EndpointSlices) list, each address once, in address
-/// order. The port is the slice's port numbered as the Service's, or the slice's only port
-/// (a Service's `targetPort` may differ from its `port`); a slice with neither is skipped.
-/// An address listed twice keeps its healthiest state. `draining` (this replica's own address,
-/// while it shuts down) is DRAINING whatever the slices say.
-pub fn replicas(members: &Members, port: u16, draining: Option<IpAddr>) -> Vec<Replica> {
-    let mut by_ip: BTreeMap<IpAddr, Replica> = BTreeMap::new();
-    for update in members.objects.values() {
+/// The port a slice lists for `service`: the one named as the Service's port (a slice lists the
+/// `targetPort`, which may differ from the port clients dial, under the Service port's name),
+/// else the one numbered as the Service's, else the slice's only port.
+fn port_of(ports: &[SlicePort], service: &XdsService) -> Option<u16> {
+    let named = |p: &&SlicePort| service.port_name.is_some() && p.name == service.port_name;
+    ports
+        .iter()
+        .find(named)
+        .or_else(|| ports.iter().find(|p| p.port == Some(service.port)))
+        .and_then(|p| p.port)
+        .or(match ports {
+            [only] => only.port,
+            _ => None,
+        })
+}
+
+/// The replicas `members` (the Service's EndpointSlices) list, each address and port once, in
+/// that order: two replicas at one address (host-network pods on one node) are two. A slice
+/// without a port for `service` ([`port_of`]) is skipped, and said so. An address listed
+/// twice keeps its healthiest state. `draining` (this replica's own address, while it shuts
+/// down) is DRAINING whatever the slices say.
+pub fn replicas(members: &Members, service: &XdsService, draining: Option<IpAddr>) -> Vec<Replica> {
+    let mut by_address: BTreeMap<(IpAddr, u16), Replica> = BTreeMap::new();
+    for (name, update) in members.objects.iter() {
         let Ok(slice) = serde_json::from_slice::<Slice>(&update.object.json) else {
             continue;
         };
         let ports = slice.ports.unwrap_or_default();
-        let port = match ports.iter().find(|p| p.port == Some(port)) {
-            Some(_) => port,
-            None => match ports.as_slice() {
-                [only] => match only.port {
-                    Some(p) => p,
-                    None => continue,
-                },
-                _ => continue,
-            },
+        let Some(port) = port_of(&ports, service) else {
+            tracing::warn!(
+                slice = %name,
+                service = %service,
+                "an EndpointSlice without the Service's port (by name or number, or an only one) is skipped; name the port: --xds-service NAME.NAMESPACE:PORT/PORT-NAME"
+            );
+            continue;
         };
         for endpoint in slice.endpoints {
             // Kubernetes: a missing `ready` means ready, a missing `terminating` means not.
@@ -211,8 +229,8 @@ pub fn replicas(members: &Members, port: u16, draining: Option<IpAddr>) -> Vec<R
                     health
                 };
                 let replica = Replica { ip, port, health };
-                by_ip
-                    .entry(ip)
+                by_address
+                    .entry((ip, port))
                     .and_modify(|old| {
                         if rank(health) < rank(old.health) {
                             *old = replica;
@@ -222,7 +240,7 @@ pub fn replicas(members: &Members, port: u16, draining: Option<IpAddr>) -> Vec<R
             }
         }
     }
-    by_ip.into_values().collect()
+    by_address.into_values().collect()
 }
 
 /// Healthier first.

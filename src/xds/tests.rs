@@ -50,12 +50,23 @@ fn three() -> Members {
 
 fn stream(own: Option<&str>) -> Stream {
     Stream {
-        service: service(),
+        shared: Arc::new(Shared::new(service())),
         metrics: Arc::new(Metrics::default()),
         own: own.map(|ip| ip.parse().unwrap()),
         types: HashMap::new(),
         nonces: 0,
     }
+}
+
+/// The stream's answer to `request`, which it does not refuse.
+fn answer(
+    s: &mut Stream,
+    request: DiscoveryRequest,
+    members: &Members,
+    draining: bool,
+) -> Option<DiscoveryResponse> {
+    s.request(request, members, draining)
+        .expect("a request the stream takes")
 }
 
 fn ask(type_url: &str, names: &[&str], version: &str, nonce: &str) -> DiscoveryRequest {
@@ -161,7 +172,7 @@ fn ready_endpoints_are_healthy_terminating_draining_and_an_address_counts_once()
             json!([{"addresses": ["10.0.0.1"], "conditions": {"ready": false}}]),
         ),
     ]);
-    let got: Vec<_> = resources::replicas(&m, 8013, None)
+    let got: Vec<_> = resources::replicas(&m, &service(), None)
         .into_iter()
         .map(|r| (r.ip.to_string(), r.port, r.health))
         .collect();
@@ -175,7 +186,7 @@ fn ready_endpoints_are_healthy_terminating_draining_and_an_address_counts_once()
         ]
     );
     // This replica, draining, says so whatever the slice says.
-    let own = resources::replicas(&m, 8013, Some("10.0.0.2".parse().unwrap()));
+    let own = resources::replicas(&m, &service(), Some("10.0.0.2".parse().unwrap()));
     assert_eq!(own[1].health, HealthStatus::Draining);
 }
 
@@ -192,7 +203,11 @@ fn the_port_is_the_services_or_the_slices_only_one() {
             Arc::new(Update::new(Object::from_value(&o))),
         )])
     };
-    let port = |m: &Members| resources::replicas(m, 8013, None).first().map(|r| r.port);
+    let port = |m: &Members| {
+        resources::replicas(m, &service(), None)
+            .first()
+            .map(|r| r.port)
+    };
     assert_eq!(port(&object(json!([{"port": 9000}]))), Some(9000));
     assert_eq!(
         port(&object(json!([{"port": 9000}, {"port": 8013}]))),
@@ -206,9 +221,13 @@ fn the_port_is_the_services_or_the_slices_only_one() {
 fn a_client_gets_its_listener_cluster_and_endpoints_each_once_until_something_changes() {
     let mut s = stream(None);
     let m = three();
-    let lds = s
-        .request(ask(LISTENER, &["crd-broker.flags:8013"], "", ""), &m, false)
-        .unwrap();
+    let lds = answer(
+        &mut s,
+        ask(LISTENER, &["crd-broker.flags:8013"], "", ""),
+        &m,
+        false,
+    )
+    .unwrap();
     assert_eq!(lds.type_url, LISTENER);
     let listener = Listener::decode(lds.resources[0].value.as_slice()).unwrap();
     assert_eq!(listener.name, "crd-broker.flags:8013");
@@ -220,19 +239,23 @@ fn a_client_gets_its_listener_cluster_and_endpoints_each_once_until_something_ch
         &lds.version_info,
         &lds.nonce,
     );
-    assert!(s.request(ack, &m, false).is_none());
+    assert!(answer(&mut s, ack, &m, false).is_none());
 
-    let cds = s
-        .request(ask(CLUSTER, &["crd-broker.flags:8013"], "", ""), &m, false)
-        .unwrap();
+    let cds = answer(
+        &mut s,
+        ask(CLUSTER, &["crd-broker.flags:8013"], "", ""),
+        &m,
+        false,
+    )
+    .unwrap();
     assert_eq!(cds.resources.len(), 1);
-    let eds = s
-        .request(
-            ask(ENDPOINTS, &["crd-broker.flags:8013"], "", ""),
-            &m,
-            false,
-        )
-        .unwrap();
+    let eds = answer(
+        &mut s,
+        ask(ENDPOINTS, &["crd-broker.flags:8013"], "", ""),
+        &m,
+        false,
+    )
+    .unwrap();
     assert_eq!(
         assignment(&eds),
         [
@@ -248,7 +271,7 @@ fn a_client_gets_its_listener_cluster_and_endpoints_each_once_until_something_ch
         "a nonce per response"
     );
     // Nothing changed: nothing to send.
-    assert!(s.changes(&m, false).is_empty());
+    assert!(s.changes(&m, false).is_none());
 
     // A fourth replica: only the endpoints are sent again, at a new version.
     let four = members(vec![slice(
@@ -260,23 +283,23 @@ fn a_client_gets_its_listener_cluster_and_endpoints_each_once_until_something_ch
             {"addresses": ["10.0.0.4"], "conditions": {"ready": true}},
         ]),
     )]);
-    let changes = s.changes(&four, false);
-    assert_eq!(changes.len(), 1);
-    assert_eq!(changes[0].type_url, ENDPOINTS);
-    assert_ne!(changes[0].version_info, eds.version_info);
-    assert_eq!(assignment(&changes[0]).len(), 4);
+    let change = s.changes(&four, false).unwrap();
+    assert_eq!(change.type_url, ENDPOINTS);
+    assert_ne!(change.version_info, eds.version_info);
+    assert_eq!(assignment(&change).len(), 4);
 
     // This replica starts to drain: its own address is DRAINING.
     let mut own = stream(Some("10.0.0.1"));
-    own.request(
+    answer(
+        &mut own,
         ask(ENDPOINTS, &["crd-broker.flags:8013"], "", ""),
         &m,
         false,
     )
     .unwrap();
-    let drained = own.changes(&m, true);
+    let drained = own.changes(&m, true).unwrap();
     assert_eq!(
-        assignment(&drained[0])[0],
+        assignment(&drained)[0],
         ("10.0.0.1".into(), HealthStatus::Draining)
     );
 }
@@ -285,25 +308,25 @@ fn a_client_gets_its_listener_cluster_and_endpoints_each_once_until_something_ch
 fn a_nack_is_not_answered_with_the_same_resources_and_a_stale_nonce_is_ignored() {
     let mut s = stream(None);
     let m = three();
-    let first = s
-        .request(
-            ask(ENDPOINTS, &["crd-broker.flags:8013"], "", ""),
-            &m,
-            false,
-        )
-        .unwrap();
+    let first = answer(
+        &mut s,
+        ask(ENDPOINTS, &["crd-broker.flags:8013"], "", ""),
+        &m,
+        false,
+    )
+    .unwrap();
     let mut nack = ask(ENDPOINTS, &["crd-broker.flags:8013"], "", &first.nonce);
     nack.error_detail = Some(RpcStatus {
         code: 3,
         message: "x".repeat(100_000),
         details: vec![],
     });
-    assert!(s.request(nack, &m, false).is_none());
+    assert!(answer(&mut s, nack, &m, false).is_none());
     // A request answering an older response than the last is stale: no answer, and its
     // names are not taken.
     let stale = ask(ENDPOINTS, &["other"], "", "not-the-last-nonce");
-    assert!(s.request(stale, &m, false).is_none());
-    assert!(s.changes(&m, false).is_empty());
+    assert!(answer(&mut s, stale, &m, false).is_none());
+    assert!(s.changes(&m, false).is_none());
     // One response sent and one refused, of the endpoints alone.
     let text = s.metrics.encode();
     for series in [
@@ -322,27 +345,30 @@ fn names_it_does_not_serve_get_an_answer_without_them() {
     let m = three();
     // A Listener of another service: an empty answer at once, so the client's resolution
     // fails now (the resource does not exist) rather than after its 15 s timer.
-    let lds = s
-        .request(ask(LISTENER, &["other.flags:8013"], "", ""), &m, false)
-        .unwrap();
+    let lds = answer(
+        &mut s,
+        ask(LISTENER, &["other.flags:8013"], "", ""),
+        &m,
+        false,
+    )
+    .unwrap();
     assert!(lds.resources.is_empty());
-    let cds = s
-        .request(ask(CLUSTER, &["other"], "", ""), &m, false)
-        .unwrap();
+    let cds = answer(&mut s, ask(CLUSTER, &["other"], "", ""), &m, false).unwrap();
     assert!(cds.resources.is_empty());
     // The route is inline in the Listener: none is served by name.
-    let rds = s.request(ask(ROUTE, &["r"], "", ""), &m, false).unwrap();
+    let rds = answer(&mut s, ask(ROUTE, &["r"], "", ""), &m, false).unwrap();
     assert!(rds.resources.is_empty());
     // A type it does not know: answered empty too.
-    let other = s
-        .request(ask("type.googleapis.com/x.Y", &["a"], "", ""), &m, false)
-        .unwrap();
+    let other = answer(
+        &mut s,
+        ask("type.googleapis.com/x.Y", &["a"], "", ""),
+        &m,
+        false,
+    )
+    .unwrap();
     assert!(other.resources.is_empty());
     // Empty names unsubscribe: nothing is sent.
-    assert!(
-        s.request(ask(LISTENER, &[], "", &lds.nonce), &m, false)
-            .is_none()
-    );
+    assert!(answer(&mut s, ask(LISTENER, &[], "", &lds.nonce), &m, false).is_none());
 }
 
 #[test]
@@ -350,17 +376,241 @@ fn endpoints_wait_until_the_slices_are_listed() {
     let mut s = stream(None);
     let unlisted = Members::default();
     assert!(
-        s.request(
+        answer(
+            &mut s,
             ask(ENDPOINTS, &["crd-broker.flags:8013"], "", ""),
             &unlisted,
             false
         )
         .is_none()
     );
-    let changes = s.changes(&three(), false);
-    assert_eq!(assignment(&changes[0]).len(), 3);
+    let change = s.changes(&three(), false).unwrap();
+    assert_eq!(assignment(&change).len(), 3);
     // No replica at all: an assignment without localities.
-    let none = s.changes(&members(vec![]), false);
-    let cla = ClusterLoadAssignment::decode(none[0].resources[0].value.as_slice()).unwrap();
+    let none = s.changes(&members(vec![]), false).unwrap();
+    let cla = ClusterLoadAssignment::decode(none.resources[0].value.as_slice()).unwrap();
     assert!(cla.endpoints.is_empty());
+}
+
+#[test]
+fn a_request_naming_too_many_or_too_long_names_is_refused_naming_the_limit() {
+    let mut s = stream(None);
+    let m = three();
+    let many: Vec<String> = (0..MAX_NAMES + 1).map(|i| format!("n{i}")).collect();
+    let many: Vec<&str> = many.iter().map(String::as_str).collect();
+    let refused = s.request(ask(ROUTE, &many, "", ""), &m, false).unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::InvalidArgument);
+    assert!(
+        refused
+            .message()
+            .contains("17 resource names, more than the 16"),
+        "{}",
+        refused.message()
+    );
+    let long = "a".repeat(MAX_NAME_BYTES + 1);
+    let refused = s
+        .request(ask(LISTENER, &[&long], "", ""), &m, false)
+        .unwrap_err();
+    assert!(
+        refused.message().contains("513 bytes, longer than the 512"),
+        "{}",
+        refused.message()
+    );
+    assert!(refused.message().len() < 300);
+}
+
+#[test]
+fn only_names_the_server_serves_are_kept() {
+    let mut s = stream(None);
+    let m = three();
+    let names = [
+        "crd-broker.flags:8013",
+        "x.y.svc.a1:8013",
+        "other:1",
+        "crd-broker:8013",
+    ];
+    let lds = answer(&mut s, ask(LISTENER, &names, "", ""), &m, false).unwrap();
+    assert_eq!(lds.resources.len(), 2);
+    assert_eq!(
+        s.types[LISTENER].wanted.listeners,
+        BTreeSet::from([
+            "crd-broker.flags:8013".to_string(),
+            "crd-broker:8013".to_string()
+        ])
+    );
+    answer(&mut s, ask(ROUTE, &["r1", "r2"], "", ""), &m, false).unwrap();
+    let route = &s.types[ROUTE].wanted;
+    assert!(route.listeners.is_empty() && !route.cluster && route.subscribed);
+}
+
+#[test]
+fn the_endpoints_are_built_once_per_state_and_shared_by_every_stream() {
+    let shared = Arc::new(Shared::new(service()));
+    let mut streams: Vec<Stream> = (0..3)
+        .map(|_| Stream {
+            shared: shared.clone(),
+            ..stream(None)
+        })
+        .collect();
+    let m = three();
+    let answers: Vec<DiscoveryResponse> = streams
+        .iter_mut()
+        .map(|s| {
+            answer(
+                s,
+                ask(ENDPOINTS, &["crd-broker.flags:8013"], "", ""),
+                &m,
+                false,
+            )
+            .unwrap()
+        })
+        .collect();
+    assert!(
+        answers
+            .windows(2)
+            .all(|w| w[0].version_info == w[1].version_info)
+    );
+    let built = shared.endpoints(&m, None);
+    assert!(
+        std::ptr::eq(
+            built.bytes.as_ptr(),
+            shared.endpoints(&m, None).bytes.as_ptr()
+        ),
+        "one encoding for the state"
+    );
+    // Draining, once per address.
+    let own: IpAddr = "10.0.0.1".parse().unwrap();
+    let a = shared.endpoints(&m, Some(own));
+    let b = shared.endpoints(&m, Some(own));
+    assert!(std::ptr::eq(a.bytes.as_ptr(), b.bytes.as_ptr()));
+    assert_ne!(a.digest, built.digest);
+}
+
+#[test]
+fn a_repeated_nack_is_counted_each_time() {
+    let mut s = stream(None);
+    let m = three();
+    let first = answer(
+        &mut s,
+        ask(ENDPOINTS, &["crd-broker.flags:8013"], "", ""),
+        &m,
+        false,
+    )
+    .unwrap();
+    for _ in 0..3 {
+        let mut nack = ask(
+            ENDPOINTS,
+            &["crd-broker.flags:8013"],
+            &"v".repeat(200_000),
+            &first.nonce,
+        );
+        nack.error_detail = Some(RpcStatus {
+            code: 3,
+            message: "no".into(),
+            details: vec![],
+        });
+        assert!(answer(&mut s, nack, &m, false).is_none());
+    }
+    assert!(
+        s.metrics
+            .encode()
+            .contains(r#"crd_broker_xds_nacks_total{type="endpoints"} 3"#)
+    );
+    assert!(
+        s.types[ENDPOINTS].refused.is_some(),
+        "the version refused is remembered"
+    );
+}
+
+#[test]
+fn the_legacy_wildcard_and_star_get_every_listener_and_cluster() {
+    let m = three();
+    for names in [&[][..], &["*"][..]] {
+        let mut s = stream(None);
+        let lds = answer(&mut s, ask(LISTENER, names, "", ""), &m, false).unwrap();
+        let listener = Listener::decode(lds.resources[0].value.as_slice()).unwrap();
+        assert_eq!(listener.name, "crd-broker.flags:8013", "{names:?}");
+        let cds = answer(&mut s, ask(CLUSTER, names, "", ""), &m, false).unwrap();
+        assert_eq!(cds.resources.len(), 1, "{names:?}");
+        // The wildcard holds on the acknowledgements.
+        let ack = ask(CLUSTER, names, &cds.version_info, &cds.nonce);
+        assert!(answer(&mut s, ack, &m, false).is_none());
+        assert!(s.types[CLUSTER].wanted.cluster);
+    }
+    // Endpoints have no legacy wildcard: an empty first request asks for nothing.
+    let mut s = stream(None);
+    assert!(answer(&mut s, ask(ENDPOINTS, &[], "", ""), &m, false).is_none());
+}
+
+#[test]
+fn a_port_is_found_by_the_service_ports_name_and_replicas_by_address_and_port() {
+    let named: XdsService = "crd-broker.flags:8013/grpc".parse().unwrap();
+    assert_eq!(named.port_name.as_deref(), Some("grpc"));
+    assert_eq!(named.cluster(), "crd-broker.flags:8013");
+    assert!(
+        "crd-broker.flags:8013/Bad_Name"
+            .parse::<XdsService>()
+            .unwrap_err()
+            .to_string()
+            .contains("the port's name")
+    );
+    let o = json!({
+        "metadata": {"name": "s", "uid": "s", "resourceVersion": "1"},
+        "endpoints": [
+            {"addresses": ["10.0.0.1"]},
+        ],
+        "ports": [{"name": "admin", "port": 9001}, {"name": "grpc", "port": 9000}],
+    });
+    let m = members(vec![(
+        "s".into(),
+        Arc::new(Update::new(Object::from_value(&o))),
+    )]);
+    // The Service's port (8013) differs from its targetPort (9000): found by name only.
+    assert!(resources::replicas(&m, &service(), None).is_empty());
+    let found = resources::replicas(&m, &named, None);
+    assert_eq!(found.len(), 1);
+    assert_eq!(found[0].port, 9000);
+    // Two replicas at one address (host-network pods on one node): two endpoints.
+    let two = json!({
+        "metadata": {"name": "t", "uid": "t", "resourceVersion": "1"},
+        "endpoints": [{"addresses": ["10.0.0.1"]}],
+        "ports": [{"name": "grpc", "port": 9002}],
+    });
+    let m = members(vec![
+        ("s".into(), Arc::new(Update::new(Object::from_value(&o)))),
+        ("t".into(), Arc::new(Update::new(Object::from_value(&two)))),
+    ]);
+    let ports: Vec<u16> = resources::replicas(&m, &named, None)
+        .iter()
+        .map(|r| r.port)
+        .collect();
+    assert_eq!(ports, [9000, 9002]);
+}
+
+#[tokio::test]
+async fn a_client_that_does_not_read_holds_one_response_per_type_the_latest() {
+    let outbox = Outbox::default();
+    let response = |type_url: &str, version: &str| DiscoveryResponse {
+        type_url: type_url.into(),
+        version_info: version.into(),
+        ..Default::default()
+    };
+    outbox.put(response(ENDPOINTS, "1"));
+    outbox.put(response(LISTENER, "1"));
+    for v in 2..100 {
+        outbox.put(response(ENDPOINTS, &v.to_string()));
+    }
+    outbox.end(Some(Status::unavailable("drained")));
+    let first = outbox.next().await.unwrap().unwrap();
+    assert_eq!(
+        (first.type_url.as_str(), first.version_info.as_str()),
+        (ENDPOINTS, "99")
+    );
+    let second = outbox.next().await.unwrap().unwrap();
+    assert_eq!(second.type_url, LISTENER);
+    assert_eq!(
+        outbox.next().await.unwrap().unwrap_err().code(),
+        tonic::Code::Unavailable
+    );
+    assert!(outbox.next().await.is_none());
 }

@@ -7,6 +7,8 @@ use std::process::Command;
 
 use serde_json::Value;
 
+use super::Leash;
+
 pub const ROOT: &str = env!("CARGO_MANIFEST_DIR");
 
 pub fn chart() -> PathBuf {
@@ -108,7 +110,8 @@ pub fn helm(args: &[&str]) -> Command {
         .env("HELM_CACHE_HOME", home.path().join("cache"))
         .env("HELM_CONFIG_HOME", home.path().join("config"))
         .env("HELM_DATA_HOME", home.path().join("data"))
-        .env("KUBECONFIG", home.path().join("no-cluster"));
+        .env("KUBECONFIG", home.path().join("no-cluster"))
+        .leashed();
     helm
 }
 
@@ -134,6 +137,7 @@ print(json.dumps(sorted("/".join(map(str, e.path)) + ": " + e.message for e in e
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
+        .leashed()
         .spawn()
         .expect("python runs");
     use std::io::Write;

@@ -3,21 +3,17 @@
 //! as its users run it, as a ServiceAccount with exactly the RBAC the Helm chart renders,
 //! through a kubeconfig holding that account's token; and widgets, a kind of each test's own.
 
-use std::sync::OnceLock;
-
 pub use control_plane::*;
 use crd_broker::pb::subscribe_response::Event;
 use kube::api::{Api, DynamicObject, PostParams};
 use kube::core::ApiResource;
 use serde_json::{Value, json};
 
-static PLANE: OnceLock<ControlPlane> = OnceLock::new();
-
 /// The control plane of this test binary, started at the first call (`scripts/control-plane
 /// up`; the binaries are built once per version and cached). It stops when the test binary
-/// exits (the script watches our pid).
+/// exits, however it exits.
 pub fn control_plane() -> &'static ControlPlane {
-    PLANE.get_or_init(|| start("127.0.0.1"))
+    shared()
 }
 
 /// The broker as the Helm chart deploys it, running against a control plane: the chart rendered
@@ -152,6 +148,7 @@ async fn launch_through(
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::inherit())
         .kill_on_drop(true)
+        .leashed()
         .spawn()
         .expect("the broker starts");
     let mut deployed = Deployed {

@@ -8,6 +8,8 @@ use std::time::Duration;
 use serde_json::{Value, json};
 use tokio::time::Instant;
 
+use super::Leash;
+
 /// A flagd daemon, killed when dropped.
 pub struct Flagd {
     pub child: tokio::process::Child,
@@ -51,6 +53,7 @@ impl Flagd {
             .stdout(std::fs::File::create(&log).unwrap())
             .stderr(std::fs::File::options().append(true).open(&log).unwrap())
             .kill_on_drop(true)
+            .leashed()
             .spawn()
             .expect("flagd starts");
         Flagd {

@@ -10,7 +10,7 @@ pub mod control_plane;
 pub mod flagd;
 pub mod relay;
 
-pub use control_plane::{free_port, peer, scrape};
+pub use control_plane::{Leash, free_port, peer, scrape};
 
 use crd_broker::broker::Running;
 use crd_broker::pb;

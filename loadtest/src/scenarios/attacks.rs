@@ -7,6 +7,8 @@
 use std::net::Ipv4Addr;
 use std::time::{Duration, Instant};
 
+use anyhow::Context;
+
 use crd_broker::pb;
 use crd_broker::pb::broker_client::BrokerClient;
 use fake_apiserver::{FakeApiServer, TokenUser};
@@ -34,6 +36,114 @@ pub struct Attacks {
     pub stalled_set: StalledSet,
     /// Made-up names in one namespace, subscribed and left, round after round.
     pub cycled_names: CycledNames,
+    /// Distinct set selectors over one namespace of large objects, each selecting all of them.
+    pub overlapping_sets: OverlappingSets,
+    /// Many xDS streams on one broker, and one change of its Service's EndpointSlice.
+    pub xds_fanout: XdsFanout,
+    /// New connections from a mesh proxy's address, each with random bearer tokens, while the
+    /// API server answers TokenReviews with 429.
+    pub proxy_token_flood: ProxyTokenFlood,
+    /// The broker's RBAC taken away, on a real control plane, while it watches FeatureFlags
+    /// one per namespace.
+    pub rbac_revoked: RbacRevoked,
+}
+
+/// A broker watching one FeatureFlag in each of many namespaces on a real kube-apiserver, its
+/// ClusterRoleBinding deleted and created again.
+#[derive(Debug, Clone, Serialize)]
+pub struct RbacRevoked {
+    /// Watched FeatureFlags (one per namespace).
+    pub crs: usize,
+    /// How long the RBAC stayed away.
+    pub revoked_seconds: f64,
+    /// The broker's requests to the API server a second while it did (its own count).
+    pub requests_per_second: f64,
+    /// What a new subscriber to a warm FeatureFlag got meanwhile: the cached object
+    /// (`snapshot`), or a refusal (its code).
+    pub new_subscriber: String,
+    /// Seconds from the binding's return until no watch was stale any more.
+    pub recovery_seconds: f64,
+}
+
+/// xDS streams of the endpoints on one broker (`--xds-service`), and one change of the
+/// Service's EndpointSlice.
+#[derive(Debug, Clone, Serialize)]
+pub struct XdsFanout {
+    /// Streams.
+    pub streams: usize,
+    /// Over this many connections.
+    pub connections: usize,
+    /// Seconds from the slice's change until every stream had the new endpoints.
+    pub change_to_all_seconds: f64,
+    /// Per stream: the change's arrival, p50 / p99.
+    pub change: Summary,
+    /// Streams that did not get the change within 60 s.
+    pub missed: usize,
+    /// Broker CPU seconds from the change until every stream had it.
+    pub cpu_seconds: f64,
+    /// Broker memory before the streams.
+    pub rss_before_bytes: u64,
+    /// With them open.
+    pub rss_streams_bytes: u64,
+}
+
+/// New connections a second from one proxy address, each sending random bearer tokens.
+#[derive(Debug, Clone, Serialize)]
+pub struct ProxyTokenFlood {
+    /// Connections opened.
+    pub connections: usize,
+    /// Tokens each sent.
+    pub tokens_per_connection: usize,
+    /// Seconds it lasted.
+    pub seconds: f64,
+    /// TokenReviews the API server saw.
+    pub token_reviews: usize,
+    /// A valid caller's first message during the flood, p50 / p99.
+    pub valid: Summary,
+    /// Its subscribes that failed.
+    pub valid_failures: u64,
+    /// A FeatureFlag written every 200 ms during the flood: write to delivery on a warm
+    /// watch, p50 / p99.
+    pub delivery: Summary,
+    /// A resource nobody watched yet, asked for every 200 ms during the flood: its first
+    /// message (a new LIST and WATCH), p50 / p99.
+    pub cold_first: Summary,
+    /// Cold subscribes that failed or took over 10 s.
+    pub cold_failures: u64,
+}
+
+/// One caller subscribing to distinct selectors that each select a whole namespace of large
+/// FeatureFlags (`!x0`, `!x1`, …), each stream read to its first message and left (its set
+/// lingers), as fast as the broker admits them.
+#[derive(Debug, Clone, Serialize)]
+pub struct OverlappingSets {
+    /// The namespace's FeatureFlags.
+    pub members: usize,
+    /// Each one's size.
+    pub member_bytes: usize,
+    /// Selectors asked for.
+    pub attempted: usize,
+    /// Selectors admitted (the first message came).
+    pub admitted: usize,
+    /// Why the attack stopped before it had asked for every selector, if it did.
+    pub stopped: Option<String>,
+    /// How long it ran.
+    pub seconds: f64,
+    /// LISTs of the namespace the API server served.
+    pub api_lists: usize,
+    /// The most WATCHes open on the API server at once, sampled.
+    pub api_watches_peak: usize,
+    /// Broker memory before.
+    pub rss_before_bytes: u64,
+    /// The most it held, sampled.
+    pub rss_peak_bytes: u64,
+    /// Once the attacker's sets lingered out.
+    pub rss_after_bytes: u64,
+    /// Whether another caller (127.0.0.9) got a FeatureFlag while the attack ran, and its
+    /// first-message latency.
+    pub other_caller_served: bool,
+    /// The other caller's first message, p50 / p99.
+    pub other_caller: Summary,
 }
 
 /// One caller opening streams one after another on one connection, each read to its first
@@ -121,6 +231,12 @@ pub struct CycledNames {
 
 /// How big each attack is.
 struct Sizes {
+    rbac_crs: usize,
+    rbac_for: Duration,
+    xds_streams: usize,
+    flood_connections: usize,
+    overlapping: usize,
+    overlap_members: usize,
     sets: usize,
     namespaces: usize,
     tokens: usize,
@@ -135,6 +251,12 @@ impl Sizes {
     fn of(run: &Run) -> Sizes {
         if run.smoke {
             Sizes {
+                rbac_crs: 20,
+                rbac_for: Duration::from_secs(10),
+                xds_streams: 50,
+                flood_connections: 20,
+                overlapping: 40,
+                overlap_members: 10,
                 sets: 20,
                 namespaces: 40,
                 tokens: 200,
@@ -146,6 +268,12 @@ impl Sizes {
             }
         } else {
             Sizes {
+                rbac_crs: 5_000,
+                rbac_for: Duration::from_secs(60),
+                xds_streams: 10_000,
+                flood_connections: 1_000,
+                overlapping: 2_500,
+                overlap_members: 200,
                 sets: 500,
                 namespaces: 2_000,
                 tokens: 5_000,
@@ -179,6 +307,548 @@ pub async fn attacks(run: &Run) -> anyhow::Result<Attacks> {
         token_flood: token_flood(run, sizes.tokens).await?,
         stalled_set: stalled_set(run, &sizes).await?,
         cycled_names: cycled_names(run, sizes.names, sizes.rounds).await?,
+        overlapping_sets: overlapping_sets(run, &sizes).await?,
+        xds_fanout: xds_fanout(run, sizes.xds_streams).await?,
+        proxy_token_flood: proxy_token_flood(run, sizes.flood_connections).await?,
+        rbac_revoked: rbac_revoked(run, &sizes).await?,
+    })
+}
+
+/// The broker's requests to the API server so far, by its own count.
+async fn api_requests(target: &Target) -> f64 {
+    let admin = target.admin.expect("an admin port");
+    let Ok((_, body)) = fixtures::get(admin, "/metrics").await else {
+        return 0.0;
+    };
+    body.lines()
+        .filter(|l| l.starts_with("crd_broker_api_requests_total{"))
+        .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
+        .sum()
+}
+
+/// Watches the broker lists as stale (their source's last report an error).
+async fn stale_watches(target: &Target) -> usize {
+    let admin = target.admin.expect("an admin port");
+    let Ok((_, body)) = fixtures::get(admin, "/debug/watches").await else {
+        return usize::MAX;
+    };
+    let listed: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
+    listed["watches"].as_array().map_or(usize::MAX, |w| {
+        w.iter().filter(|w| !w["staleSince"].is_null()).count()
+    })
+}
+
+/// On a real control plane: `sizes.rbac_crs` namespaces with a FeatureFlag each, a broker
+/// reading them through a ClusterRoleBinding, and a subscriber of every one; the binding is
+/// deleted, kube-apiserver restarted (so that every watch asks again), and the broker's requests
+/// counted for `sizes.rbac_for`; then the binding is created again.
+async fn rbac_revoked(run: &Run, sizes: &Sizes) -> anyhow::Result<RbacRevoked> {
+    use kube::api::{Api, DeleteParams, DynamicObject, PostParams};
+    use kube::core::{ApiResource, GroupVersionKind};
+    let crs = sizes.rbac_crs;
+    let plane = fixtures::own_plane().await?;
+    let crd: serde_json::Value =
+        serde_saphyr::from_str(fixtures::CRD).context("the FeatureFlag CRD")?;
+    plane.install_crds(&[crd]).await;
+    let binding = json!({ "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+        "metadata": { "name": "broker-reads-all" },
+        "roleRef": { "apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "featureflag-reader" },
+        "subjects": [{ "kind": "ServiceAccount", "name": "broker", "namespace": "default" }] });
+    plane
+        .apply(&[
+            json!({ "apiVersion": "v1", "kind": "ServiceAccount",
+                "metadata": { "name": "broker", "namespace": "default" } }),
+            json!({ "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
+                "metadata": { "name": "featureflag-reader" },
+                "rules": [{ "apiGroups": ["core.openfeature.dev"], "resources": ["featureflags"],
+                    "verbs": ["get", "list", "watch"] }] }),
+            binding.clone(),
+        ])
+        .await;
+    let namespace = |k: usize| format!("app-{k}");
+    let admin = plane.admin().await;
+    let kind =
+        |group: &str, kind: &str| ApiResource::from_gvk(&GroupVersionKind::gvk(group, "v1", kind));
+    let namespaces: Api<DynamicObject> = Api::all_with(admin.clone(), &kind("", "Namespace"));
+    futures::stream::iter(0..crs)
+        .for_each_concurrent(16, |k| {
+            let (plane, namespaces) = (&plane, namespaces.clone());
+            async move {
+                let ns = serde_json::from_value(json!({ "apiVersion": "v1", "kind": "Namespace",
+                    "metadata": { "name": namespace(k) } }))
+                .expect("a namespace");
+                let _ = namespaces.create(&PostParams::default(), &ns).await;
+                let mut flag = fixtures::flag("f", 256);
+                flag["metadata"]["namespace"] = json!(namespace(k));
+                plane.apply(&[flag]).await;
+            }
+        })
+        .await;
+    let dir = fixtures::tempfile_like::Dir::new()?;
+    let kubeconfig = plane
+        .kubeconfig_for("default", "broker", dir.path(), &plane.server)
+        .await;
+    let bin = crate::target::broker_bin(run.broker_bin.clone())?;
+    let target = Target::launch(&bin, &kubeconfig, &[], &[], Log::Null).await?;
+    wait_ready(&target).await?;
+    // Every FeatureFlag subscribed, 100 to a stream, each stream held.
+    let channel = clients::connection_from(target.grpc, Ipv4Addr::new(127, 0, 0, 2)).await?;
+    let mut streams = Vec::new();
+    for batch in (0..crs).collect::<Vec<_>>().chunks(100) {
+        let request = pb::SubscribeRequest {
+            resources: batch
+                .iter()
+                .map(|&k| resource(&namespace(k), "f"))
+                .collect(),
+        };
+        let mut stream = BrokerClient::new(channel.clone())
+            .subscribe(request)
+            .await?
+            .into_inner();
+        for _ in batch {
+            tokio::time::timeout(Duration::from_secs(60), stream.message())
+                .await
+                .context("a first message")??;
+        }
+        streams.push(stream);
+    }
+    let bindings: Api<DynamicObject> = Api::all_with(
+        admin.clone(),
+        &kind("rbac.authorization.k8s.io", "ClusterRoleBinding"),
+    );
+    bindings
+        .delete("broker-reads-all", &DeleteParams::default())
+        .await?;
+    // The API server does not end the watches it serves when rights go: a restart (as a
+    // rollout of the API server would) makes every watch ask again, and be refused.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    plane
+        .stop(control_plane::Component::ApiServer, "KILL")
+        .await;
+    plane.start_again(control_plane::Component::ApiServer).await;
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let (before, started) = (api_requests(&target).await, Instant::now());
+    tokio::time::sleep(sizes.rbac_for).await;
+    let requests = api_requests(&target).await - before;
+    let revoked_seconds = started.elapsed().as_secs_f64();
+    let mut newcomer = BrokerClient::new(
+        clients::connection_from(target.grpc, Ipv4Addr::new(127, 0, 0, 3)).await?,
+    );
+    let new_subscriber = match newcomer.subscribe(one(&namespace(0), "f")).await {
+        Ok(response) => match response.into_inner().message().await {
+            Ok(Some(m)) if m.event() == pb::subscribe_response::Event::Snapshot => {
+                "snapshot".into()
+            }
+            Ok(Some(m)) => format!("{:?}", m.event()),
+            Ok(None) => "nothing".into(),
+            Err(status) => format!("{:?}", status.code()),
+        },
+        Err(status) => format!("{:?}", status.code()),
+    };
+    bindings
+        .create(&PostParams::default(), &serde_json::from_value(binding)?)
+        .await?;
+    let restored = Instant::now();
+    while stale_watches(&target).await > 0 && restored.elapsed() < Duration::from_secs(300) {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let recovery_seconds = restored.elapsed().as_secs_f64();
+    drop(streams);
+    target.stop().await;
+    drop(plane);
+    Ok(RbacRevoked {
+        crs,
+        revoked_seconds,
+        requests_per_second: requests / revoked_seconds,
+        new_subscriber,
+        recovery_seconds,
+    })
+}
+
+const ENDPOINTS_TYPE: &str = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment";
+
+/// `streams` xDS streams of the endpoints of `crd-broker.default`, 100 to a connection, each
+/// answered and ACKed; then a fourth address joins the Service's EndpointSlice, and each
+/// stream's next response is timed from the write.
+async fn xds_fanout(run: &Run, streams: usize) -> anyhow::Result<XdsFanout> {
+    use envoy_types::pb::envoy::service::discovery::v3::DiscoveryRequest;
+    use envoy_types::pb::envoy::service::discovery::v3::aggregated_discovery_service_client::AggregatedDiscoveryServiceClient;
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    const PORT: u16 = 8013;
+    let service = format!("crd-broker.default:{PORT}");
+    let address = |last: u8| Ipv4Addr::new(10, 0, 0, last);
+    let (fake, _dir, target) = broker(run, 1, &["--xds-service", &service], &[]).await?;
+    fake.apply(control_plane::endpoints::endpoint_slice_kind())?;
+    let slice = |n: u8| {
+        let ips: Vec<Ipv4Addr> = (1..=n).map(address).collect();
+        control_plane::endpoints::endpoint_slice("default", "crd-broker", PORT, &ips, &[])
+    };
+    fake.apply(slice(3))?;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let rss_before = target.rss();
+    let connections = streams.div_ceil(100);
+    let mut channels = Vec::with_capacity(connections);
+    for i in 0..connections {
+        let from = Ipv4Addr::new(127, 0, 3, 1 + (i % 250) as u8);
+        channels.push(clients::connection_from(target.grpc, from).await?);
+    }
+    // When the change was written (ns since `epoch`), and when each stream had it.
+    let epoch = Instant::now();
+    let written = Arc::new(AtomicU64::new(u64::MAX));
+    let arrivals = Arc::new(Histogram::default());
+    let (ready_tx, mut ready_rx) = tokio::sync::mpsc::channel::<()>(streams.max(1));
+    let (got_tx, mut got_rx) = tokio::sync::mpsc::channel::<Duration>(streams.max(1));
+    let (trigger, stop) = clients::tokio_util_like::signal();
+    let stop = std::sync::Arc::new(stop);
+    for i in 0..streams {
+        let channel = channels[i % connections].clone();
+        let (cluster, ready_tx, got_tx) = (service.clone(), ready_tx.clone(), got_tx.clone());
+        let (written, stop) = (written.clone(), stop.clone());
+        tokio::spawn(async move {
+            let (tx, requests) = tokio::sync::mpsc::channel::<DiscoveryRequest>(4);
+            let ask = |version: String, nonce: String| DiscoveryRequest {
+                type_url: ENDPOINTS_TYPE.into(),
+                resource_names: vec![cluster.clone()],
+                version_info: version,
+                response_nonce: nonce,
+                ..Default::default()
+            };
+            let follow = async {
+                tx.send(ask(String::new(), String::new())).await.ok()?;
+                let mut responses = AggregatedDiscoveryServiceClient::new(channel)
+                    .stream_aggregated_resources(tokio_stream::wrappers::ReceiverStream::new(
+                        requests,
+                    ))
+                    .await
+                    .ok()?
+                    .into_inner();
+                let first = responses.message().await.ok()??;
+                tx.send(ask(first.version_info, first.nonce)).await.ok()?;
+                ready_tx.send(()).await.ok()?;
+                let next = responses.message().await.ok()??;
+                let at = epoch.elapsed();
+                let since =
+                    at.saturating_sub(Duration::from_nanos(written.load(Ordering::Acquire)));
+                got_tx.send(since).await.ok()?;
+                tx.send(ask(next.version_info, next.nonce)).await.ok()?;
+                // Held open until the attack is done.
+                stop.wait().await;
+                Some(())
+            };
+            follow.await;
+        });
+    }
+    drop((ready_tx, got_tx));
+    let mut ready = 0;
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while ready < streams && Instant::now() < deadline {
+        match tokio::time::timeout(Duration::from_secs(5), ready_rx.recv()).await {
+            Ok(Some(())) => ready += 1,
+            Ok(None) => break,
+            Err(_) => {}
+        }
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let rss_streams = target.rss();
+    let cpu_before = target.cpu();
+    written.store(epoch.elapsed().as_nanos() as u64, Ordering::Release);
+    fake.apply(slice(4))?;
+    let changed_at = Instant::now();
+    let mut got = 0;
+    while got < ready {
+        match tokio::time::timeout(Duration::from_secs(60), got_rx.recv()).await {
+            Ok(Some(since)) => {
+                arrivals.record(since);
+                got += 1;
+            }
+            _ => break,
+        }
+    }
+    let change_to_all = changed_at.elapsed().as_secs_f64();
+    let cpu = target.cpu().saturating_sub(cpu_before).as_secs_f64();
+    trigger.stop();
+    target.stop().await;
+    Ok(XdsFanout {
+        streams,
+        connections,
+        change_to_all_seconds: change_to_all,
+        change: arrivals.summary(),
+        missed: streams - got,
+        cpu_seconds: cpu,
+        rss_before_bytes: rss_before,
+        rss_streams_bytes: rss_streams,
+    })
+}
+
+/// Istio's inbound passthrough address, where unmeshed callers of a meshed broker come from.
+const PROXY: Ipv4Addr = Ipv4Addr::new(127, 0, 0, 6);
+
+/// `connections` new connections from the proxy's address, 100 a second, each sending 100
+/// random bearer tokens (10 at a time), under `--identity mesh,token --mesh istio`, while the
+/// API server answers TokenReviews with 429 (Retry-After 2 s), as Priority and Fairness does
+/// under such a flood. Meanwhile a valid caller subscribes every 100 ms, a FeatureFlag is
+/// written every 200 ms to a warm watch, and a resource nobody watched is asked for every
+/// 200 ms.
+async fn proxy_token_flood(run: &Run, connections: usize) -> anyhow::Result<ProxyTokenFlood> {
+    const TOKENS: usize = 100;
+    let args = [
+        "--identity",
+        "mesh,token",
+        "--mesh",
+        "istio",
+        "--token-audience",
+        AUDIENCE,
+    ];
+    let (fake, _dir, target) = broker(run, 1, &args, &[]).await?;
+    let valid = "valid-token-of-the-sidecar".to_string();
+    fake.register_token(TokenUser {
+        token: valid.clone(),
+        username: "system:serviceaccount:default:sidecar".into(),
+        uid: "uid-sidecar".into(),
+        groups: vec!["system:serviceaccounts".into()],
+        audiences: vec![AUDIENCE.into()],
+        ..Default::default()
+    });
+    let with_token = |request: pb::SubscribeRequest| {
+        let mut request = tonic::Request::new(request);
+        let bearer = format!("Bearer {valid}").parse().expect("ASCII");
+        request.metadata_mut().insert("authorization", bearer);
+        request
+    };
+    // A warm watch: written every 200 ms, delivery timed.
+    let sidecar = clients::connection_from(target.grpc, Ipv4Addr::new(127, 0, 0, 3)).await?;
+    let mut warm = BrokerClient::new(sidecar.clone())
+        .subscribe(with_token(one("default", &name(0))))
+        .await?
+        .into_inner();
+    warm.message().await?;
+    let (valid_h, delivery_h, cold_h) = (
+        std::sync::Arc::new(Histogram::default()),
+        std::sync::Arc::new(Histogram::default()),
+        std::sync::Arc::new(Histogram::default()),
+    );
+    let (valid_failures, cold_failures) = (
+        std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0)),
+        std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0)),
+    );
+    fake.clear_requests();
+    fake.inject(fake_apiserver::Injection {
+        matcher: fake_apiserver::Matcher::verb("create").on("/apis/authentication.k8s.io"),
+        times: usize::MAX,
+        action: fake_apiserver::Action::Status {
+            code: 429,
+            retry_after: Some(2),
+        },
+    });
+    let started = Instant::now();
+    let flooding = async {
+        let mut tick = tokio::time::interval(Duration::from_millis(10));
+        let mut floods = Vec::with_capacity(connections);
+        for _ in 0..connections {
+            tick.tick().await;
+            let channel = clients::connection_from(target.grpc, PROXY).await?;
+            floods.push(tokio::spawn(async move {
+                futures::stream::iter(0..TOKENS)
+                    .for_each_concurrent(10, |i| {
+                        let mut client = BrokerClient::new(channel.clone());
+                        async move {
+                            let mut request = tonic::Request::new(one("default", &name(0)));
+                            let token = format!("Bearer random-{i}-{}", fastrand::u64(..));
+                            request
+                                .metadata_mut()
+                                .insert("authorization", token.parse().expect("ASCII"));
+                            let _ = tokio::time::timeout(
+                                Duration::from_secs(5),
+                                client.subscribe(request),
+                            )
+                            .await;
+                        }
+                    })
+                    .await;
+            }));
+        }
+        for flood in floods {
+            let _ = flood.await;
+        }
+        anyhow::Ok(())
+    };
+    let watching = async {
+        let mut round = 0u64;
+        loop {
+            round += 1;
+            // The valid caller.
+            let asked = Instant::now();
+            let mut client = BrokerClient::new(sidecar.clone());
+            let answered = tokio::time::timeout(Duration::from_secs(5), async {
+                let response = client
+                    .subscribe(with_token(one("default", &name(0))))
+                    .await
+                    .ok()?;
+                response.into_inner().message().await.ok().flatten()
+            })
+            .await;
+            match answered {
+                Ok(Some(_)) => valid_h.record(asked.elapsed()),
+                _ => {
+                    valid_failures.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
+            }
+            // A write to the warm watch.
+            let written = Instant::now();
+            let mut flag = fixtures::flag(&name(0), 0);
+            flag["spec"]["flagSpec"]["flags"]["round"] = json!({ "state": "ENABLED",
+                "variants": { "on": round }, "defaultVariant": "on" });
+            let _ = fake.apply(flag);
+            if tokio::time::timeout(Duration::from_secs(10), warm.message())
+                .await
+                .is_ok_and(|m| matches!(m, Ok(Some(_))))
+            {
+                delivery_h.record(written.elapsed());
+            }
+            // A resource nobody watched yet.
+            let asked = Instant::now();
+            let mut client = BrokerClient::new(sidecar.clone());
+            let cold = format!("cold-{round}");
+            let answered = tokio::time::timeout(Duration::from_secs(10), async {
+                let response = client
+                    .subscribe(with_token(one("default", &cold)))
+                    .await
+                    .ok()?;
+                response.into_inner().message().await.ok().flatten()
+            })
+            .await;
+            match answered {
+                Ok(Some(_)) => cold_h.record(asked.elapsed()),
+                _ => {
+                    cold_failures.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    };
+    tokio::select! {
+        flooded = flooding => flooded?,
+        _ = watching => unreachable!("the watcher's loop never ends"),
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    let reviews = token_reviews(&fake);
+    target.stop().await;
+    Ok(ProxyTokenFlood {
+        connections,
+        tokens_per_connection: TOKENS,
+        seconds,
+        token_reviews: reviews,
+        valid: valid_h.summary(),
+        valid_failures: valid_failures.load(std::sync::atomic::Ordering::Relaxed),
+        delivery: delivery_h.summary(),
+        cold_first: cold_h.summary(),
+        cold_failures: cold_failures.load(std::sync::atomic::Ordering::Relaxed),
+    })
+}
+
+/// The most the overlapping-sets attack lets a broker hold before it stops: past it a broker
+/// without a bound on sets would take the machine.
+const RSS_CEILING: u64 = 6 << 30;
+/// The longest the overlapping-sets attack runs.
+const OVERLAP_FOR: Duration = Duration::from_secs(90);
+
+/// `sizes.overlapping` distinct selectors from 127.0.0.2, each of which selects all of
+/// `sizes.overlap_members` FeatureFlags of `sizes.member_bytes` in `default`, 8 at a time, each
+/// read to its first message and left; a refused one is not retried. Meanwhile another caller
+/// asks for one FeatureFlag every 200 ms, and the broker's memory and the API server's open
+/// watches are sampled every 100 ms.
+async fn overlapping_sets(run: &Run, sizes: &Sizes) -> anyhow::Result<OverlappingSets> {
+    let linger = Duration::from_secs(5);
+    let (fake, _dir, target) = broker(run, 1, &["--linger", "5s"], &[]).await?;
+    for k in 0..sizes.overlap_members {
+        fake.apply(fixtures::flag(&format!("big-{k}"), sizes.member_bytes))?;
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let rss_before = target.rss();
+    fake.clear_requests();
+    let started = Instant::now();
+    let attacker = clients::connection_from(target.grpc, Ipv4Addr::new(127, 0, 0, 2)).await?;
+    let other = clients::connection_from(target.grpc, OTHER).await?;
+    let (mut attempted, mut admitted) = (0, 0);
+    let mut stopped = None;
+    let (mut rss_peak, mut watches_peak) = (rss_before, 0);
+    // The other caller asks on a task of its own, so that a slow answer holds up neither side.
+    let latencies = std::sync::Arc::new(Histogram::default());
+    let other_failures = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let asking_other = tokio::spawn({
+        let (latencies, failures) = (latencies.clone(), other_failures.clone());
+        async move {
+            loop {
+                let asked = Instant::now();
+                let mut client = BrokerClient::new(other.clone());
+                if first_message(&mut client, one("default", &name(0))).await {
+                    latencies.record(asked.elapsed());
+                } else {
+                    failures.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        }
+    });
+    let mut selectors = (0..sizes.overlapping).map(|i| set_request(&format!("!x{i}")));
+    let mut asking = futures::stream::FuturesUnordered::new();
+    let mut sample = tokio::time::interval(Duration::from_millis(100));
+    loop {
+        while asking.len() < 8 {
+            let Some(request) = selectors.next() else {
+                break;
+            };
+            attempted += 1;
+            let mut client = BrokerClient::new(attacker.clone());
+            asking.push(async move { first_message(&mut client, request).await });
+        }
+        if asking.is_empty() {
+            break;
+        }
+        tokio::select! {
+            Some(came) = asking.next() => admitted += usize::from(came),
+            _ = sample.tick() => {
+                rss_peak = rss_peak.max(target.rss());
+                watches_peak = watches_peak.max(fake.open_watches());
+                if rss_peak > RSS_CEILING {
+                    stopped = Some(format!("the broker held {} MiB", rss_peak >> 20));
+                } else if started.elapsed() > OVERLAP_FOR {
+                    stopped = Some(format!("{} s passed", OVERLAP_FOR.as_secs()));
+                }
+                if stopped.is_some() {
+                    break;
+                }
+            }
+        }
+    }
+    asking_other.abort();
+    drop(asking);
+    let seconds = started.elapsed().as_secs_f64();
+    let api_lists = fake
+        .requests()
+        .iter()
+        .filter(|r| r.verb == "list" && r.path.ends_with("/featureflags"))
+        .count();
+    tokio::time::sleep(linger + Duration::from_secs(5)).await;
+    let rss_after = target.rss();
+    target.stop().await;
+    let other_caller = latencies.summary();
+    Ok(OverlappingSets {
+        members: sizes.overlap_members,
+        member_bytes: sizes.member_bytes,
+        attempted,
+        admitted,
+        stopped,
+        seconds,
+        api_lists,
+        api_watches_peak: watches_peak,
+        rss_before_bytes: rss_before,
+        rss_peak_bytes: rss_peak,
+        rss_after_bytes: rss_after,
+        other_caller_served: other_failures.load(std::sync::atomic::Ordering::Relaxed) == 0
+            && other_caller.count > 0,
+        other_caller,
     })
 }
 

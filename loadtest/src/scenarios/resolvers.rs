@@ -20,8 +20,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use control_plane::ControlPlane;
 use control_plane::endpoints::{endpoint_slice, endpoint_slice_kind};
+use control_plane::{ControlPlane, Leash};
 use envoy_types::pb::envoy::config::endpoint::v3::ClusterLoadAssignment;
 use envoy_types::pb::envoy::service::discovery::v3::aggregated_discovery_service_client::AggregatedDiscoveryServiceClient;
 use envoy_types::pb::envoy::service::discovery::v3::{DiscoveryRequest, DiscoveryResponse};
@@ -211,7 +211,8 @@ async fn follows(run: &Run, resolver: &str) -> anyhow::Result<Follow> {
         .args([&target, "30", &hex, "0", "1000"])
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::null())
-        .kill_on_drop(true);
+        .kill_on_drop(true)
+        .leashed();
     if let Some(b) = &bootstrap {
         client.env("GRPC_XDS_BOOTSTRAP_CONFIG", b.to_string());
     }

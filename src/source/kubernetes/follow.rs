@@ -6,6 +6,9 @@
 //!   a quiet object that keeps meeting faults is not left unwatched for half a minute;
 //! - a watch that cannot reach the API server waits on the shared [`Recovery`], and returns
 //!   within moments of the server's return, spread out;
+//! - while the server refuses a watch (403, 404), only one watch of its collection asks again and
+//!   the others wait for it ([`Refusals`]); once refusals, or failures (5xx), have lasted
+//!   [`PERSISTENT`] with no request getting through, it backs off to 30 s, as client-go does;
 //! - relists are quorum reads (no `resourceVersion=0`), so they never answer with an older object
 //!   than one already reported, and an object older than the last one reported for the same uid is
 //!   dropped all the same;
@@ -22,7 +25,7 @@ use tokio::time::Instant;
 
 use super::http::Pinged;
 use super::{api_error, to_object};
-use crate::source::retry::{Backoff, Recovery};
+use crate::source::retry::{Backoff, Recovery, Refusals, Turn};
 use crate::source::{Object, Observed, SourceError};
 
 /// How long the API server keeps one watch open before it ends it and the watch resumes, over
@@ -56,6 +59,11 @@ fn pace(pinged: bool) -> (u32, Duration) {
 /// lists in pages that each come well within the request bound ([`super::throttle`]).
 const PAGE: u32 = 500;
 
+/// How long refusals (403, 404) or failures (5xx) must last, no request of the watch getting
+/// through, before the watch backs off to 30 s: a fault that comes and goes is retried at the
+/// fast pace, one that stays is not asked about every few seconds.
+const PERSISTENT: Duration = Duration::from_secs(15);
+
 /// A watch that ends sooner than this without an error counts as a failure for the backoff, so
 /// a server that closes every watch at once is not asked again in a tight loop.
 const SHORT_WATCH: Duration = Duration::from_secs(1);
@@ -65,6 +73,8 @@ const SHORT_WATCH: Duration = Duration::from_secs(1);
 #[derive(Clone)]
 pub(super) struct Upstream {
     pub recovery: Arc<Recovery>,
+    /// The watches refused, by collection.
+    pub refusals: Arc<Refusals>,
     pub pinged: Pinged,
     /// Counts the 410s that send a watch back to a LIST.
     pub expired: prometheus_client::metrics::counter::Counter,
@@ -149,6 +159,8 @@ pub(super) fn events(
         phase: Phase::List,
         backoff: Backoff::default(),
         wait: None,
+        refused: None,
+        failing_since: None,
         failing: false,
     };
     stream::unfold(state, Follow::next).boxed()
@@ -244,8 +256,12 @@ struct Follow {
     upstream: Upstream,
     phase: Phase,
     backoff: Backoff,
-    /// Wait this long before the next request; `true` if the API server could not be reached.
-    wait: Option<(Duration, bool)>,
+    /// Wait this long before the next request, as the last failure says.
+    wait: Option<(Duration, Wait)>,
+    /// The watch's turn at its collection's gate while the API server refuses it.
+    refused: Option<Turn>,
+    /// Since when no request of the watch got through.
+    failing_since: Option<Instant>,
     /// Whether a failure was reported since the last state was.
     failing: bool,
 }
@@ -262,14 +278,34 @@ impl Follow {
     }
 }
 
+/// How a failed watch waits before it asks again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Wait {
+    /// Its backoff.
+    Backoff,
+    /// Its backoff, or less if the API server, which could not be reached, answers again.
+    Recovery,
+    /// Its turn at its collection's gate: the server answered, refusing or failing.
+    Refused,
+}
+
 impl Follow {
+    /// The request got through: a refused watch's collection asks again.
+    fn through(&mut self) {
+        self.backoff.working();
+        self.failing_since = None;
+        if let Some(turn) = self.refused.take() {
+            turn.through();
+        }
+    }
+
     async fn next(mut self) -> Option<(Event, Follow)> {
         loop {
-            if let Some((delay, unreachable)) = self.wait.take() {
-                if unreachable {
-                    self.upstream.recovery.wait(delay).await;
-                } else {
-                    tokio::time::sleep(delay).await;
+            if let Some((delay, wait)) = self.wait.take() {
+                match (wait, &self.refused) {
+                    (Wait::Recovery, _) => self.upstream.recovery.wait(delay).await,
+                    (Wait::Refused, Some(turn)) => turn.wait(delay).await,
+                    _ => tokio::time::sleep(delay).await,
                 }
             }
             match std::mem::replace(&mut self.phase, Phase::List) {
@@ -280,7 +316,7 @@ impl Follow {
                 }
                 Phase::List => match list_all(&self.api, &self.list).await {
                     Ok((rv, items)) => {
-                        self.backoff.working();
+                        self.through();
                         self.failing = false;
                         self.phase = Phase::Watch(rv.clone());
                         let objects = items
@@ -301,7 +337,7 @@ impl Follow {
                     let params = self.watch.clone().timeout(timeout);
                     match self.api.watch(&params, &rv).await {
                         Ok(events) => {
-                            self.backoff.working();
+                            self.through();
                             self.phase = Phase::Streaming {
                                 rv: rv.clone(),
                                 events: events.boxed(),
@@ -381,7 +417,7 @@ impl Follow {
                     Ok(None) => {
                         // The server ended the watch (its timeout): resume where it ended.
                         if started.elapsed() < SHORT_WATCH {
-                            self.wait = Some((self.backoff.failed(), false));
+                            self.wait = Some((self.backoff.failed(), Wait::Backoff));
                         }
                         self.phase = Phase::Watch(rv);
                     }
@@ -441,7 +477,7 @@ impl Follow {
                         return None;
                     }
                     let rv = b.metadata.resource_version;
-                    self.backoff.working();
+                    self.through();
                     self.failing = false;
                     self.phase = Phase::Streaming {
                         rv: rv.clone(),
@@ -467,14 +503,36 @@ impl Follow {
     fn relist(&mut self) {
         self.upstream.expired.inc();
         self.phase = Phase::List;
-        self.wait = Some((self.backoff.failed(), false));
+        self.wait = Some((self.backoff.failed(), Wait::Backoff));
     }
 
-    /// Records a failure of the request in `retry`, to be retried after the backoff.
+    /// Records a failure of the request in `retry`, to be retried after the backoff, at its
+    /// collection's gate if the server answered refusing (403, 404) or has failed (5xx) for
+    /// [`PERSISTENT`]; the slow backoff once that long has passed.
     fn fail(&mut self, error: kube::Error, retry: Phase) -> Event {
+        let since = *self.failing_since.get_or_insert_with(Instant::now);
+        let persistent = since.elapsed() >= PERSISTENT;
+        let refused = match &error {
+            kube::Error::Api(s) => s.code == 403 || s.code == 404 || (s.code >= 500 && persistent),
+            _ => false,
+        };
         let error = api_error(error, &self.what);
-        let unreachable = matches!(error, SourceError::Unavailable(_));
-        self.wait = Some((self.backoff.failed(), unreachable));
+        self.wait = Some(if refused {
+            // A waiter that asked again itself may find the probe gone, and take over.
+            let key = self.api.resource_url().to_string();
+            if !self.refused.as_ref().is_some_and(Turn::is_probe) {
+                self.refused = Some(self.upstream.refusals.refused(&key));
+            }
+            let delay = match persistent {
+                true => self.backoff.refused(),
+                false => self.backoff.failed(),
+            };
+            (delay, Wait::Refused)
+        } else if matches!(error, SourceError::Unavailable(_)) {
+            (self.backoff.failed(), Wait::Recovery)
+        } else {
+            (self.backoff.failed(), Wait::Backoff)
+        });
         self.phase = retry;
         self.failing = true;
         Event::Failed(error)

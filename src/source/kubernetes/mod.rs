@@ -96,6 +96,8 @@ pub struct Kubernetes {
     last_group_versions: Mutex<HashMap<String, Arc<GroupVersion>>>,
     discovery_ttl: Duration,
     recovery: Arc<Recovery>,
+    /// The watches the API server refuses, by collection.
+    refusals: Arc<crate::source::retry::Refusals>,
     /// Whether the client's connections are pinged (not known for a client made elsewhere).
     pinged: http::Pinged,
     granularity: Arc<granularity::Granularity>,
@@ -103,6 +105,9 @@ pub struct Kubernetes {
     api_requests: crate::telemetry::ApiRequests,
     /// Whether collections are listed by streaming (while the API server takes it).
     streaming: follow::Streaming,
+    /// A client for the access layer's requests (pod lookups, token reviews), paced by a gate of
+    /// its own: a flood of them the API server throttles never holds the watches.
+    access_client: Option<kube::Client>,
 }
 
 /// A discovery answer with how long it may be served: `worked` when it worked, briefly when it
@@ -126,6 +131,7 @@ impl Kubernetes {
         }));
         Kubernetes {
             recovery,
+            refusals: Arc::default(),
             pinged: http::Pinged::default(),
             client,
             allowed,
@@ -139,6 +145,7 @@ impl Kubernetes {
             granularity: granularity::Granularity::new(DEFAULT_NAMESPACE_WATCH_THRESHOLD),
             api_requests: crate::telemetry::ApiRequests::default(),
             streaming: follow::Streaming::new(StreamingLists::Auto),
+            access_client: None,
         }
     }
 
@@ -205,10 +212,12 @@ impl Kubernetes {
         let mut config = kube::Config::infer().await?;
         config.read_timeout = Some(READ_TIMEOUT);
         let requests = crate::telemetry::ApiRequests::default();
+        let (access, _) = http::client(config.clone(), http2, rate, requests.clone())?;
         let (client, pinged) = http::client(config, http2, rate, requests.clone())?;
         Ok(Kubernetes {
             api_requests: requests,
             pinged,
+            access_client: Some(access),
             ..Self::new(client, allowed)
         })
     }
@@ -216,6 +225,14 @@ impl Kubernetes {
     /// The client.
     pub fn client(&self) -> &kube::Client {
         &self.client
+    }
+
+    /// The client for the access layer's requests: one with a gate of its own where the source
+    /// made its own clients ([`Kubernetes::infer`]), else the source's.
+    pub fn access_client(&self) -> kube::Client {
+        self.access_client
+            .clone()
+            .unwrap_or_else(|| self.client.clone())
     }
 
     /// As it is, knowing whether `client`'s connections are pinged, as [`http::client`] says.
@@ -227,6 +244,7 @@ impl Kubernetes {
     fn upstream(&self) -> follow::Upstream {
         follow::Upstream {
             recovery: self.recovery.clone(),
+            refusals: self.refusals.clone(),
             pinged: self.pinged.clone(),
             expired: self.api_requests.expired.clone(),
             streaming: self.streaming.clone(),

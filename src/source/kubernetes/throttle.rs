@@ -188,18 +188,20 @@ impl Gate {
         self.answered.notify_waiters();
     }
 
-    /// The API server answered `status` with `retry_after`: hold every request until then.
+    /// The API server answered `status` with `retry_after`: hold every request until then (a
+    /// number of seconds, as the API server sends, or an HTTP date, as proxies and load
+    /// balancers in front of it may).
     fn hold(&self, status: StatusCode, retry_after: Option<&http::HeaderValue>) {
         if status != StatusCode::TOO_MANY_REQUESTS && status != StatusCode::SERVICE_UNAVAILABLE {
             return;
         }
-        let Some(seconds) = retry_after
+        let Some(wait) = retry_after
             .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.trim().parse::<u64>().ok())
+            .and_then(retry_delay)
         else {
             return;
         };
-        let wait = Duration::from_secs(seconds).min(LONGEST_RETRY_AFTER);
+        let wait = wait.min(LONGEST_RETRY_AFTER);
         let until = Instant::now() + wait;
         let mut state = lock(&self.state);
         if state.held_until.is_none_or(|held| held < until) {
@@ -402,9 +404,41 @@ where
     }
 }
 
+/// How long a `Retry-After` value asks to wait: seconds, or until an HTTP date (RFC 9110); a
+/// date already past asks for none.
+fn retry_delay(value: &str) -> Option<Duration> {
+    let value = value.trim();
+    if let Ok(seconds) = value.parse::<u64>() {
+        return Some(Duration::from_secs(seconds));
+    }
+    let until = httpdate::parse_http_date(value).ok()?;
+    Some(
+        until
+            .duration_since(std::time::SystemTime::now())
+            .unwrap_or_default(),
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn retry_after_is_seconds_or_an_http_date() {
+        assert_eq!(retry_delay(" 5 "), Some(Duration::from_secs(5)));
+        let later = std::time::SystemTime::now() + Duration::from_secs(20);
+        let waited = retry_delay(&httpdate::fmt_http_date(later)).unwrap();
+        assert!(
+            waited > Duration::from_secs(18) && waited <= Duration::from_secs(20),
+            "{waited:?}"
+        );
+        assert_eq!(
+            retry_delay("Wed, 21 Oct 2015 07:28:00 GMT"),
+            Some(Duration::ZERO),
+            "a date past asks for no wait"
+        );
+        assert_eq!(retry_delay("soon"), None);
+    }
 
     fn gate(qps: f64, burst: u32) -> Gate {
         Gate::new(Rate { qps, burst }, ApiRequests::default())

@@ -2,18 +2,22 @@
 //! cluster has, on demand: a component killed or ended and started again, etcd compacted, a
 //! Priority and Fairness level that rejects, RBAC taken away and given back. Shared by the tests
 //! and the load harness, with what else both need (free loopback ports, a DNS server on
-//! loopback, EndpointSlices, the real peers' binaries); a harness's helpers, they panic with the cause when the
-//! plane does not do what they ask.
+//! loopback, EndpointSlices, the real peers' binaries, leashes that end what they start however
+//! they end); a harness's helpers, they panic with the cause when the plane does not do what
+//! they ask.
 
 pub mod dns;
 pub mod endpoints;
+pub mod leash;
 mod ports;
 
+pub use leash::Leash;
 pub use ports::free_port;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU32, Ordering};
 
 use k8s_openapi::api::authentication::v1::TokenRequest;
@@ -24,7 +28,8 @@ use serde_json::{Value, json};
 
 /// The repository's root (this crate lives in `tests/control-plane`).
 pub fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    root.canonicalize().unwrap_or(root)
 }
 
 fn script() -> PathBuf {
@@ -78,20 +83,41 @@ pub struct ControlPlane {
     pub server: String,
 }
 
+/// The control plane of this process, on 127.0.0.1, started at the first call and shared by
+/// every later one (a test binary's tests, each in a namespace of its own). A static is never
+/// dropped: it is stopped as the process exits (`atexit`), and should the process be killed,
+/// its keepers stop it a second later.
+pub fn shared() -> &'static ControlPlane {
+    static PLANE: OnceLock<ControlPlane> = OnceLock::new();
+    PLANE.get_or_init(|| {
+        extern "C" fn stop() {
+            if let Some(plane) = PLANE.get() {
+                plane.down();
+            }
+        }
+        leash::at_exit(stop);
+        start("127.0.0.1")
+    })
+}
+
 /// Starts a control plane on `address` (`127.0.0.1`, `::1`) in a directory of its own under
-/// `target/control-plane/`, removing the directories of earlier test binaries that are gone.
+/// `target/control-plane/`, owned by this process: it stops when this process ends, however it
+/// ends (`scripts/control-plane up --watch-pid`). The planes of earlier processes that are gone
+/// are stopped, if anything of them is left, and their directories removed.
 pub fn start(address: &str) -> ControlPlane {
     start_with(address, &[])
 }
 
 /// [`start`], kube-apiserver run with `flags` besides the script's own.
 pub fn start_with(address: &str, flags: &[&str]) -> ControlPlane {
+    leash::follow_cargo();
     let base = root().join("target/control-plane");
     std::fs::create_dir_all(&base).unwrap();
     for entry in std::fs::read_dir(&base).unwrap().flatten() {
-        let name = entry.file_name().to_string_lossy().into_owned();
-        let pid = name.split('-').next().unwrap_or_default();
-        if !Path::new("/proc").join(pid).exists() {
+        if !owner_alive(&entry.path()) {
+            // Stopped first: a directory removed under a running plane left its
+            // kube-apiserver running for good (issue 40).
+            let _ = down_dir(&entry.path());
             let _ = std::fs::remove_dir_all(entry.path());
         }
     }
@@ -125,13 +151,58 @@ pub fn start_with(address: &str, flags: &[&str]) -> ControlPlane {
     }
 }
 
+/// Whether the process that owns the plane in `dir` (its `owner` file: pid and start time, as
+/// `up` wrote it) still runs. A directory without one is taken as owned by the pid its name
+/// starts with.
+fn owner_alive(dir: &Path) -> bool {
+    let owner = std::fs::read_to_string(dir.join("owner")).unwrap_or_default();
+    let mut owner = owner.split_whitespace();
+    let (pid, since) = match (owner.next(), owner.next()) {
+        (Some(pid), since) => (pid.to_string(), since.map(str::to_string)),
+        _ => {
+            let name = dir.file_name().unwrap_or_default().to_string_lossy();
+            (name.split('-').next().unwrap_or_default().to_string(), None)
+        }
+    };
+    match (started(&pid), since) {
+        (Some(now), Some(since)) => now == since,
+        (now, None) => now.is_some(),
+        (None, _) => false,
+    }
+}
+
+/// The start time of process `pid` (field 22 of `/proc/PID/stat`), unless it is gone or a
+/// zombie.
+fn started(pid: &str) -> Option<String> {
+    let stat = std::fs::read_to_string(Path::new("/proc").join(pid).join("stat")).ok()?;
+    // The fields after the command name (which may hold spaces), from the state on.
+    let fields: Vec<&str> = stat.rsplit_once(") ")?.1.split_whitespace().collect();
+    if fields.first() == Some(&"Z") {
+        return None;
+    }
+    fields.get(19).map(|since| since.to_string())
+}
+
+/// `scripts/control-plane down --dir dir`: what it said it stopped.
+fn down_dir(dir: &Path) -> std::io::Result<String> {
+    let out = Command::new(script())
+        .args(["down", "--dir"])
+        .arg(dir)
+        .output()?;
+    Ok(String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
+impl ControlPlane {
+    /// Stops the plane now (`scripts/control-plane down`); dropping it does the same.
+    pub fn down(&self) {
+        let _ = down_dir(&self.dir);
+    }
+}
+
 impl Drop for ControlPlane {
-    /// Stops the plane (a test's own; the binary's shared one lives as long as the binary).
+    /// Stops the plane (a test's own; the binary's shared one is stopped as the binary exits).
     fn drop(&mut self) {
-        let _ = Command::new(script())
-            .args(["down", "--dir"])
-            .arg(&self.dir)
-            .output();
+        self.down();
     }
 }
 

@@ -7,6 +7,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use common::*;
+use control_plane::Leash;
 use kube::api::{Api, DynamicObject, ListParams, PostParams};
 use serde_json::{Value, json};
 use tokio::io::{AsyncBufReadExt, BufReader};
@@ -37,6 +38,7 @@ async fn spawn() -> Process {
         .arg(&kubeconfig)
         .stdout(std::process::Stdio::piped())
         .kill_on_drop(true)
+        .leashed()
         .spawn()
         .expect("the binary starts");
     let mut stdout = BufReader::new(child.stdout.take().unwrap()).lines();

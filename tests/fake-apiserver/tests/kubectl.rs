@@ -9,6 +9,7 @@ use std::process::{Command, Output, Stdio};
 use std::time::Duration;
 
 use common::*;
+use control_plane::Leash;
 use serde_json::{Value, json};
 use tokio::io::{AsyncBufReadExt, BufReader};
 
@@ -48,7 +49,8 @@ impl Kubectl {
             .arg(&self.kubeconfig)
             .arg("--cache-dir")
             .arg(&self.cache)
-            .args(args);
+            .args(args)
+            .leashed();
         c
     }
 

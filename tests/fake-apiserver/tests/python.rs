@@ -8,6 +8,7 @@ mod common;
 use std::path::PathBuf;
 
 use common::*;
+use control_plane::Leash;
 use serde_json::Value;
 
 fn python() -> PathBuf {
@@ -49,6 +50,8 @@ async fn crud_and_watch(tls: bool) {
     let out = tokio::process::Command::new(python)
         .arg(script)
         .arg(&kubeconfig)
+        .kill_on_drop(true)
+        .leashed()
         .output()
         .await
         .expect("python runs");
