@@ -630,11 +630,16 @@ cold resource's first message {} / {} ms ({} failed or over 10 s).
     s += &format!(
         "The broker's ClusterRoleBinding deleted on a real kube-apiserver, restarted so that every \
 watch asks again, while the broker watched {} FeatureFlags one per namespace: over {:.0} s, {:.1} \
-requests a second; a new subscriber to a warm one got {}; every watch current again {:.1} s after \
-the binding came back.
+requests a second ({:.1} in the second half); a new subscriber to a warm one got {}; every watch \
+current again {:.1} s after the binding came back.
 
 ",
-        r.crs, r.revoked_seconds, r.requests_per_second, r.new_subscriber, r.recovery_seconds,
+        r.crs,
+        r.revoked_seconds,
+        r.requests_per_second,
+        r.later_requests_per_second,
+        r.new_subscriber,
+        r.recovery_seconds,
     );
     let n = &a.cycled_names;
     let rounds: Vec<String> = n.rss_after_round_bytes.iter().map(|b| mib(*b)).collect();

@@ -14,6 +14,19 @@ use tokio::process::{Child, ChildStdin, Command};
 
 use crate::stats;
 
+/// The flags that lift every per-caller limit, for a harness whose few loopback addresses stand
+/// for thousands of sidecars (each known to every build; newer limits go by environment).
+pub const UNLIMITED: [&str; 8] = [
+    "--max-streams-per-caller",
+    "1000000",
+    "--new-watch-rate",
+    "100000",
+    "--new-watch-burst",
+    "100000",
+    "--max-watches-per-caller",
+    "1000000",
+];
+
 /// The address a broker the harness starts serves gRPC on.
 pub const BROKER_IP: [u8; 4] = [127, 0, 9, 1];
 
@@ -94,16 +107,7 @@ impl Target {
         all.extend(["--max-connection-age", "0", "--readiness-interval", "1s"]);
         // A few loopback addresses stand for thousands of sidecars here: no per-caller limit is
         // meant to bind.
-        all.extend([
-            "--max-streams-per-caller",
-            "1000000",
-            "--new-watch-rate",
-            "100000",
-            "--new-watch-burst",
-            "100000",
-            "--max-watches-per-caller",
-            "1000000",
-        ]);
+        all.extend(UNLIMITED);
         all.extend(args);
         // Newer limits as environment variables, which an older build ignores.
         let env = [("CRD_BROKER_MAX_SETS_PER_CALLER", "1000000")];

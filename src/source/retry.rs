@@ -43,6 +43,11 @@ pub const PROBE_EVERY: Duration = Duration::from_millis(500);
 /// When it is back, the watches that waited for it return at random moments within this long.
 pub const RECOVERY_SPREAD: Duration = Duration::from_secs(1);
 
+/// Refused watches that return when one of their kind gets through come back at about this many
+/// a second, over [`RECOVERY_SPREAD`] or longer: 5,000 at once would meet the API server's
+/// in-flight limit (429) and come back more slowly than spread.
+pub const RETURN_RATE: f64 = 500.0;
+
 /// Exponential backoff with equal jitter: the `n`th wait is between half and all of
 /// `BACKOFF_BASE × 2ⁿ`, capped at [`BACKOFF_MAX`].
 #[derive(Debug, Default)]
@@ -83,39 +88,41 @@ impl Backoff {
     }
 }
 
-/// Watches the API server refuses (403, 404) or fails (5xx) while it answers, by collection (a
-/// kind in a namespace): one of them, the probe, asks again on its own backoff; the rest wait
-/// until it gets through, then return spread over [`RECOVERY_SPREAD`], or until
-/// [`REFUSED_WAIT_MAX`] has passed. RBAC taken away for 5,000 watched names costs the API server
-/// one request per collection per backoff, not one per name.
+/// Watches the API server refuses (403, 404) or keeps failing (5xx), by collection (a kind in a
+/// namespace) and by kind. One watch of each collection, its probe, asks again on its own
+/// backoff (the slow one once refusals last); the collection's other watches wait until it gets
+/// through, then return spread over [`RECOVERY_SPREAD`], or until [`REFUSED_WAIT_MAX`] has
+/// passed. One watch of each kind asks again at the fast pace whatever: when it gets through
+/// (rights given back cluster-wide, a CRD created again), every collection of the kind asks
+/// again at once, spread. RBAC taken away for 5,000 watched names costs the API server one
+/// request per collection per backoff, not one per name, and its return is noticed within
+/// seconds.
 #[derive(Default)]
 pub struct Refusals {
     gates: Mutex<HashMap<String, Weak<Gate>>>,
 }
 
 struct Gate {
-    /// Bumped each time the probe gets through.
+    /// Bumped each time a watch of the gate gets through.
     through: watch::Sender<u64>,
-    /// Whether a watch is the probe now.
+    /// Whether a watch is the gate's probe now.
     probing: AtomicBool,
     /// Told when the probe goes without getting through (its watch dropped): one waiter asks
     /// again, and takes over.
     probe_left: tokio::sync::Notify,
 }
 
-/// A refused watch's place at its collection's gate: the probe, or a waiter.
-pub struct Turn {
+/// A refused watch's place at one gate: its probe, or not.
+struct Place {
     gate: Arc<Gate>,
     probe: bool,
-    /// What the waiter has seen of the probe's successes since it joined: one after that wakes
-    /// it, even if it comes before the waiter starts to wait.
+    /// What the watch has seen of the gate's successes since it joined: one after that wakes
+    /// it, even if it comes before the watch starts to wait.
     seen: watch::Receiver<u64>,
 }
 
-impl Refusals {
-    /// A watch of the collection `key` was refused: its turn, the probe if none is.
-    pub fn refused(&self, key: &str) -> Turn {
-        let mut gates = self.gates.lock().unwrap_or_else(PoisonError::into_inner);
+impl Place {
+    fn join(gates: &mut HashMap<String, Weak<Gate>>, key: &str) -> Place {
         let gate = match gates.get(key).and_then(Weak::upgrade) {
             Some(gate) => gate,
             None => {
@@ -132,10 +139,44 @@ impl Refusals {
         let probe = !gate.probing.swap(true, Ordering::AcqRel);
         let mut seen = gate.through.subscribe();
         seen.mark_unchanged();
-        Turn { gate, probe, seen }
+        Place { gate, probe, seen }
     }
 
-    /// Collections with a refused watch now.
+    /// Takes the probe's part if nobody has it.
+    fn claim(&mut self) {
+        if !self.probe {
+            self.probe = !self.gate.probing.swap(true, Ordering::AcqRel);
+        }
+    }
+
+    /// Gives up the probe's part; if not `through`, a waiter is told to take over.
+    fn leave(&mut self, through: bool) {
+        if std::mem::take(&mut self.probe) {
+            self.gate.probing.store(false, Ordering::Release);
+            if !through {
+                self.gate.probe_left.notify_one();
+            }
+        }
+    }
+}
+
+/// A refused watch's places: at its collection's gate and at its kind's.
+pub struct Turn {
+    collection: Place,
+    kind: Place,
+}
+
+impl Refusals {
+    /// A watch of the collection `collection`, of the kind `kind`, was refused: its turn.
+    pub fn refused(&self, kind: &str, collection: &str) -> Turn {
+        let mut gates = self.gates.lock().unwrap_or_else(PoisonError::into_inner);
+        Turn {
+            kind: Place::join(&mut gates, &format!("kind:{kind}")),
+            collection: Place::join(&mut gates, collection),
+        }
+    }
+
+    /// Gates with a refused watch now (collections and kinds).
     pub fn len(&self) -> usize {
         let gates = self.gates.lock().unwrap_or_else(PoisonError::into_inner);
         gates
@@ -144,57 +185,76 @@ impl Refusals {
             .count()
     }
 
-    /// Whether no collection has a refused watch.
+    /// Whether no watch is refused.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
 }
 
 impl Turn {
-    /// Waits before the watch asks again: the probe `delay` (its own backoff); a waiter until
-    /// the probe gets through, then a random moment within [`RECOVERY_SPREAD`], or until the
+    /// Waits before the watch asks again. A probe waits `delay` (its own backoff), or less if
+    /// another watch of its kind gets through. A waiter waits until its collection's probe or a
+    /// watch of its kind gets through (then a random moment within [`RECOVERY_SPREAD`], or
+    /// longer for more than [`RETURN_RATE`] refused watches of the kind), until its collection's
     /// probe goes without getting through, or until a random moment between half and all of
     /// [`REFUSED_WAIT_MAX`].
     pub fn wait(&self, delay: Duration) -> impl Future<Output = ()> + Send + 'static {
-        let probe = self.probe;
-        let mut through = self.seen.clone();
-        let gate = self.gate.clone();
+        let probe = self.is_probe();
+        let (mut collection, mut kind) = (self.collection.seen.clone(), self.kind.seen.clone());
+        let gate = self.collection.gate.clone();
+        // Every refused watch of the kind holds its gate: they all return when it gets through.
+        let herd = Arc::strong_count(&self.kind.gate) as f64;
+        let over = RECOVERY_SPREAD.mul_f64((herd / RETURN_RATE).max(1.0));
         async move {
+            let spread = || tokio::time::sleep(over.mul_f64(fastrand::f64()));
             if probe {
-                return tokio::time::sleep(delay).await;
+                tokio::select! {
+                    _ = tokio::time::sleep(delay) => {}
+                    Ok(()) = kind.changed() => spread().await,
+                }
+                return;
             }
             let most = REFUSED_WAIT_MAX.mul_f64(0.5 + fastrand::f64() * 0.5);
             tokio::select! {
                 _ = tokio::time::sleep(most) => {}
                 _ = gate.probe_left.notified() => {}
-                Ok(()) = through.changed() => {
-                    tokio::time::sleep(RECOVERY_SPREAD.mul_f64(fastrand::f64())).await;
-                }
+                Ok(()) = collection.changed() => spread().await,
+                Ok(()) = kind.changed() => spread().await,
             }
         }
     }
 
-    /// The watch got through: every waiter of its collection asks again.
+    /// The watch got through: every watch of its collection asks again, and every probe of its
+    /// kind.
     pub fn through(mut self) {
-        self.gate.through.send_modify(|n| *n += 1);
-        if std::mem::take(&mut self.probe) {
-            self.gate.probing.store(false, Ordering::Release);
-        }
+        self.collection.gate.through.send_modify(|n| *n += 1);
+        self.kind.gate.through.send_modify(|n| *n += 1);
+        self.collection.leave(true);
+        self.kind.leave(true);
     }
 
-    /// Whether this watch is its collection's probe.
+    /// Refused again: it takes the part of its kind's probe if nobody has it.
+    pub fn again(&mut self) {
+        self.kind.claim();
+    }
+
+    /// Whether this watch is a probe: of its collection, or of its kind.
     pub fn is_probe(&self) -> bool {
-        self.probe
+        self.collection.probe || self.kind.probe
+    }
+
+    /// Whether this watch is its kind's probe, which asks again at the fast pace however long
+    /// refusals last.
+    pub fn is_kind_probe(&self) -> bool {
+        self.kind.probe
     }
 }
 
 impl Drop for Turn {
     fn drop(&mut self) {
-        // The probe gone without getting through (its watch dropped): a waiter takes over.
-        if self.probe {
-            self.gate.probing.store(false, Ordering::Release);
-            self.gate.probe_left.notify_one();
-        }
+        // A probe gone without getting through (its watch dropped): a waiter takes over.
+        self.collection.leave(false);
+        self.kind.leave(false);
     }
 }
 
@@ -372,19 +432,23 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn one_refused_watch_per_collection_asks_and_the_rest_wait_for_it() {
         let refusals = Refusals::default();
-        let probe = refusals.refused("ns-a/widgets");
-        assert!(probe.is_probe());
-        let waiters: Vec<Turn> = (0..100).map(|_| refusals.refused("ns-a/widgets")).collect();
+        let probe = refusals.refused("widgets", "ns-a/widgets");
+        assert!(probe.is_probe() && probe.is_kind_probe());
+        let waiters: Vec<Turn> = (0..100)
+            .map(|_| refusals.refused("widgets", "ns-a/widgets"))
+            .collect();
         assert!(waiters.iter().all(|t| !t.is_probe()));
+        let other = refusals.refused("widgets", "ns-b/widgets");
         assert!(
-            refusals.refused("ns-b/widgets").is_probe(),
-            "another collection has its own"
+            other.is_probe() && !other.is_kind_probe(),
+            "another collection has a probe of its own; the kind has one"
         );
         let start = Instant::now();
         let woken: Vec<_> = waiters
             .iter()
             .map(|t| tokio::spawn(t.wait(Duration::from_secs(1))))
             .collect();
+        let slow = tokio::spawn(other.wait(REFUSED_BACKOFF_MAX));
         tokio::time::sleep(Duration::from_secs(20)).await;
         assert!(
             woken.iter().all(|w| !w.is_finished()),
@@ -394,18 +458,20 @@ mod tests {
         for w in woken {
             w.await.unwrap();
         }
-        assert!(start.elapsed() <= Duration::from_secs(20) + RECOVERY_SPREAD);
-        // The probe through and gone: the next refusal probes again.
-        let next = waiters.into_iter().next().unwrap();
-        drop(next);
-        assert!(refusals.refused("ns-a/widgets").is_probe());
+        slow.await.unwrap();
+        assert!(
+            start.elapsed() <= Duration::from_secs(20) + RECOVERY_SPREAD,
+            "the other collection's probe, on the slow backoff, asked again with the kind"
+        );
+        drop(waiters);
+        assert!(refusals.refused("widgets", "ns-a/widgets").is_probe());
     }
 
     #[tokio::test(start_paused = true)]
     async fn a_probe_that_goes_hands_over_and_a_success_before_the_wait_still_wakes() {
         let refusals = Refusals::default();
-        let probe = refusals.refused("k");
-        let waiter = refusals.refused("k");
+        let probe = refusals.refused("k", "c");
+        let waiter = refusals.refused("k", "c");
         let start = Instant::now();
         drop(probe);
         waiter.wait(Duration::from_secs(1)).await;
@@ -413,12 +479,15 @@ mod tests {
             start.elapsed() < Duration::from_secs(1),
             "woken to take over"
         );
+        let mut waiter = waiter;
+        waiter.again();
+        assert!(waiter.is_kind_probe(), "the kind's probe taken over");
         drop(waiter);
-        assert!(refusals.refused("k").is_probe());
+        assert!(refusals.refused("k", "c").is_probe());
         // A success between a waiter's refusal and its wait is not missed.
         let refusals = Refusals::default();
-        let probe = refusals.refused("k");
-        let waiter = refusals.refused("k");
+        let probe = refusals.refused("k", "c");
+        let waiter = refusals.refused("k", "c");
         probe.through();
         let start = Instant::now();
         waiter.wait(Duration::from_secs(1)).await;
@@ -428,14 +497,51 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_waiter_whose_probe_never_gets_through_asks_again_itself() {
         let refusals = Refusals::default();
-        let _probe = refusals.refused("k");
-        let waiter = refusals.refused("k");
+        let _probe = refusals.refused("k", "c");
+        let waiter = refusals.refused("k", "c");
         let start = Instant::now();
         waiter.wait(Duration::from_secs(1)).await;
         let waited = start.elapsed();
         assert!(
             waited >= REFUSED_WAIT_MAX / 2 && waited <= REFUSED_WAIT_MAX,
             "{waited:?}"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_large_herd_returns_at_the_return_rate() {
+        const HERD: usize = 3_000;
+        let refusals = Refusals::default();
+        let probe = refusals.refused("widgets", "ns-0/widgets");
+        let herd: Vec<Turn> = (1..HERD)
+            .map(|n| refusals.refused("widgets", &format!("ns-{n}/widgets")))
+            .collect();
+        let start = Instant::now();
+        let returned: Vec<_> = herd
+            .iter()
+            .map(|t| {
+                let wait = t.wait(REFUSED_BACKOFF_MAX);
+                tokio::spawn(async move {
+                    wait.await;
+                    Instant::now() - start
+                })
+            })
+            .collect();
+        probe.through();
+        let mut at = Vec::new();
+        for r in returned {
+            at.push(r.await.unwrap());
+        }
+        let over = RECOVERY_SPREAD.mul_f64(HERD as f64 / RETURN_RATE);
+        let last = at.iter().max().unwrap();
+        assert!(
+            *last <= over,
+            "all back within {over:?}, woken by the kind: {last:?}"
+        );
+        let in_the_first_second = at.iter().filter(|t| **t <= RECOVERY_SPREAD).count() as f64;
+        assert!(
+            (in_the_first_second - RETURN_RATE).abs() < RETURN_RATE * 0.2,
+            "about {RETURN_RATE} a second: {in_the_first_second}"
         );
     }
 

@@ -69,6 +69,17 @@ fn answer(
         .expect("a request the stream takes")
 }
 
+/// The first answer of `s` for `type_url`, asked for the Service's cluster (or listener) name.
+fn opened(s: &mut Stream, type_url: &str, members: &Members) -> DiscoveryResponse {
+    answer(
+        s,
+        ask(type_url, &["crd-broker.flags:8013"], "", ""),
+        members,
+        false,
+    )
+    .expect("an answer")
+}
+
 fn ask(type_url: &str, names: &[&str], version: &str, nonce: &str) -> DiscoveryRequest {
     DiscoveryRequest {
         type_url: type_url.into(),
@@ -221,13 +232,7 @@ fn the_port_is_the_services_or_the_slices_only_one() {
 fn a_client_gets_its_listener_cluster_and_endpoints_each_once_until_something_changes() {
     let mut s = stream(None);
     let m = three();
-    let lds = answer(
-        &mut s,
-        ask(LISTENER, &["crd-broker.flags:8013"], "", ""),
-        &m,
-        false,
-    )
-    .unwrap();
+    let lds = opened(&mut s, LISTENER, &m);
     assert_eq!(lds.type_url, LISTENER);
     let listener = Listener::decode(lds.resources[0].value.as_slice()).unwrap();
     assert_eq!(listener.name, "crd-broker.flags:8013");
@@ -241,21 +246,9 @@ fn a_client_gets_its_listener_cluster_and_endpoints_each_once_until_something_ch
     );
     assert!(answer(&mut s, ack, &m, false).is_none());
 
-    let cds = answer(
-        &mut s,
-        ask(CLUSTER, &["crd-broker.flags:8013"], "", ""),
-        &m,
-        false,
-    )
-    .unwrap();
+    let cds = opened(&mut s, CLUSTER, &m);
     assert_eq!(cds.resources.len(), 1);
-    let eds = answer(
-        &mut s,
-        ask(ENDPOINTS, &["crd-broker.flags:8013"], "", ""),
-        &m,
-        false,
-    )
-    .unwrap();
+    let eds = opened(&mut s, ENDPOINTS, &m);
     assert_eq!(
         assignment(&eds),
         [
@@ -290,13 +283,7 @@ fn a_client_gets_its_listener_cluster_and_endpoints_each_once_until_something_ch
 
     // This replica starts to drain: its own address is DRAINING.
     let mut own = stream(Some("10.0.0.1"));
-    answer(
-        &mut own,
-        ask(ENDPOINTS, &["crd-broker.flags:8013"], "", ""),
-        &m,
-        false,
-    )
-    .unwrap();
+    opened(&mut own, ENDPOINTS, &m);
     let drained = own.changes(&m, true).unwrap();
     assert_eq!(
         assignment(&drained)[0],
@@ -308,13 +295,7 @@ fn a_client_gets_its_listener_cluster_and_endpoints_each_once_until_something_ch
 fn a_nack_is_not_answered_with_the_same_resources_and_a_stale_nonce_is_ignored() {
     let mut s = stream(None);
     let m = three();
-    let first = answer(
-        &mut s,
-        ask(ENDPOINTS, &["crd-broker.flags:8013"], "", ""),
-        &m,
-        false,
-    )
-    .unwrap();
+    let first = opened(&mut s, ENDPOINTS, &m);
     let mut nack = ask(ENDPOINTS, &["crd-broker.flags:8013"], "", &first.nonce);
     nack.error_detail = Some(RpcStatus {
         code: 3,
@@ -455,15 +436,7 @@ fn the_endpoints_are_built_once_per_state_and_shared_by_every_stream() {
     let m = three();
     let answers: Vec<DiscoveryResponse> = streams
         .iter_mut()
-        .map(|s| {
-            answer(
-                s,
-                ask(ENDPOINTS, &["crd-broker.flags:8013"], "", ""),
-                &m,
-                false,
-            )
-            .unwrap()
-        })
+        .map(|s| opened(s, ENDPOINTS, &m))
         .collect();
     assert!(
         answers
@@ -490,13 +463,7 @@ fn the_endpoints_are_built_once_per_state_and_shared_by_every_stream() {
 fn a_repeated_nack_is_counted_each_time() {
     let mut s = stream(None);
     let m = three();
-    let first = answer(
-        &mut s,
-        ask(ENDPOINTS, &["crd-broker.flags:8013"], "", ""),
-        &m,
-        false,
-    )
-    .unwrap();
+    let first = opened(&mut s, ENDPOINTS, &m);
     for _ in 0..3 {
         let mut nack = ask(
             ENDPOINTS,

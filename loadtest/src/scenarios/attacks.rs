@@ -58,6 +58,8 @@ pub struct RbacRevoked {
     pub revoked_seconds: f64,
     /// The broker's requests to the API server a second while it did (its own count).
     pub requests_per_second: f64,
+    /// The same over the second half of that time, once refusals have lasted.
+    pub later_requests_per_second: f64,
     /// What a new subscriber to a warm FeatureFlag got meanwhile: the cached object
     /// (`snapshot`), or a refusal (its code).
     pub new_subscriber: String,
@@ -389,7 +391,9 @@ async fn rbac_revoked(run: &Run, sizes: &Sizes) -> anyhow::Result<RbacRevoked> {
         .kubeconfig_for("default", "broker", dir.path(), &plane.server)
         .await;
     let bin = crate::target::broker_bin(run.broker_bin.clone())?;
-    let target = Target::launch(&bin, &kubeconfig, &[], &[], Log::Null).await?;
+    // One subscriber stands for a pod of each namespace: no per-caller limit is meant to bind.
+    let unlimited = crate::target::UNLIMITED;
+    let target = Target::launch(&bin, &kubeconfig, &unlimited, &[], Log::Null).await?;
     wait_ready(&target).await?;
     // Every FeatureFlag subscribed, 100 to a stream, each stream held.
     let channel = clients::connection_from(target.grpc, Ipv4Addr::new(127, 0, 0, 2)).await?;
@@ -428,8 +432,12 @@ async fn rbac_revoked(run: &Run, sizes: &Sizes) -> anyhow::Result<RbacRevoked> {
     plane.start_again(control_plane::Component::ApiServer).await;
     tokio::time::sleep(Duration::from_secs(5)).await;
     let (before, started) = (api_requests(&target).await, Instant::now());
-    tokio::time::sleep(sizes.rbac_for).await;
-    let requests = api_requests(&target).await - before;
+    tokio::time::sleep(sizes.rbac_for / 2).await;
+    let (half, halfway) = (api_requests(&target).await, Instant::now());
+    tokio::time::sleep(sizes.rbac_for / 2).await;
+    let now = api_requests(&target).await;
+    let (requests, later) = (now - before, now - half);
+    let later_requests_per_second = later / halfway.elapsed().as_secs_f64();
     let revoked_seconds = started.elapsed().as_secs_f64();
     let mut newcomer = BrokerClient::new(
         clients::connection_from(target.grpc, Ipv4Addr::new(127, 0, 0, 3)).await?,
@@ -460,6 +468,7 @@ async fn rbac_revoked(run: &Run, sizes: &Sizes) -> anyhow::Result<RbacRevoked> {
         crs,
         revoked_seconds,
         requests_per_second: requests / revoked_seconds,
+        later_requests_per_second,
         new_subscriber,
         recovery_seconds,
     })
@@ -648,25 +657,7 @@ async fn proxy_token_flood(run: &Run, connections: usize) -> anyhow::Result<Prox
         for _ in 0..connections {
             tick.tick().await;
             let channel = clients::connection_from(target.grpc, PROXY).await?;
-            floods.push(tokio::spawn(async move {
-                futures::stream::iter(0..TOKENS)
-                    .for_each_concurrent(10, |i| {
-                        let mut client = BrokerClient::new(channel.clone());
-                        async move {
-                            let mut request = tonic::Request::new(one("default", &name(0)));
-                            let token = format!("Bearer random-{i}-{}", fastrand::u64(..));
-                            request
-                                .metadata_mut()
-                                .insert("authorization", token.parse().expect("ASCII"));
-                            let _ = tokio::time::timeout(
-                                Duration::from_secs(5),
-                                client.subscribe(request),
-                            )
-                            .await;
-                        }
-                    })
-                    .await;
-            }));
+            floods.push(tokio::spawn(random_tokens(channel, TOKENS, 10)));
         }
         for flood in floods {
             let _ = flood.await;
@@ -1024,19 +1015,7 @@ async fn token_flood(run: &Run, tokens: usize) -> anyhow::Result<TokenFlood> {
     fake.clear_requests();
     let flooding = async {
         let channel = clients::connection_from(target.grpc, Ipv4Addr::new(127, 0, 0, 2)).await?;
-        futures::stream::iter(0..tokens)
-            .for_each_concurrent(64, |i| {
-                let mut client = BrokerClient::new(channel.clone());
-                async move {
-                    let mut request = tonic::Request::new(one("default", &name(0)));
-                    let token = format!("Bearer random-{i}-{}", fastrand::u64(..));
-                    request
-                        .metadata_mut()
-                        .insert("authorization", token.parse().expect("ASCII"));
-                    let _ = client.subscribe(request).await;
-                }
-            })
-            .await;
+        random_tokens(channel, tokens, 64).await;
         anyhow::Ok(())
     };
     let during = Histogram::default();
@@ -1073,6 +1052,25 @@ async fn token_flood(run: &Run, tokens: usize) -> anyhow::Result<TokenFlood> {
         valid_failures: failures,
         valid_reviews_after,
     })
+}
+
+/// `count` Subscribes on `channel`, `at_once` at a time, each with a random bearer token, each
+/// given 5 s.
+async fn random_tokens(channel: Channel, count: usize, at_once: usize) {
+    futures::stream::iter(0..count)
+        .for_each_concurrent(at_once, |i| {
+            let mut client = BrokerClient::new(channel.clone());
+            async move {
+                let mut request = tonic::Request::new(one("default", &name(0)));
+                let token = format!("Bearer random-{i}-{}", fastrand::u64(..));
+                request
+                    .metadata_mut()
+                    .insert("authorization", token.parse().expect("ASCII"));
+                let _ =
+                    tokio::time::timeout(Duration::from_secs(5), client.subscribe(request)).await;
+            }
+        })
+        .await;
 }
 
 /// A set of large members, and subscribers of it that never read.
@@ -1128,18 +1126,11 @@ async fn stalled_set(run: &Run, sizes: &Sizes) -> anyhow::Result<StalledSet> {
 /// names share runs on); memory read once their watches lingered out, after [`WARMUP`] rounds
 /// that are not counted and then after each of `rounds`.
 async fn cycled_names(run: &Run, names: usize, rounds: usize) -> anyhow::Result<CycledNames> {
-    let unlimited = [
-        "--linger",
-        "1s",
-        "--max-streams-per-caller",
-        "1000000",
-        "--new-watch-rate",
-        "100000",
-        "--new-watch-burst",
-        "100000",
-    ];
-    let env = [("CRD_BROKER_MAX_WATCHES_PER_CALLER", "1000000")];
-    let (_fake, _dir, target) = broker(run, 1, &unlimited, &env).await?;
+    let args: Vec<&str> = ["--linger", "1s"]
+        .into_iter()
+        .chain(crate::target::UNLIMITED)
+        .collect();
+    let (_fake, _dir, target) = broker(run, 1, &args, &[]).await?;
     let channel = clients::connection_from(target.grpc, Ipv4Addr::new(127, 0, 0, 2)).await?;
     let held = pb::SubscribeRequest {
         resources: (0..100)

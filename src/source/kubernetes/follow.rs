@@ -8,7 +8,8 @@
 //!   within moments of the server's return, spread out;
 //! - while the server refuses a watch (403, 404), only one watch of its collection asks again and
 //!   the others wait for it ([`Refusals`]); once refusals, or failures (5xx), have lasted
-//!   [`PERSISTENT`] with no request getting through, it backs off to 30 s, as client-go does;
+//!   [`PERSISTENT`] with no request getting through, that one backs off to 30 s, as client-go
+//!   does, but for one watch of the kind, whose success wakes every collection of the kind;
 //! - relists are quorum reads (no `resourceVersion=0`), so they never answer with an older object
 //!   than one already reported, and an object older than the last one reported for the same uid is
 //!   dropped all the same;
@@ -518,12 +519,18 @@ impl Follow {
         };
         let error = api_error(error, &self.what);
         self.wait = Some(if refused {
-            // A waiter that asked again itself may find the probe gone, and take over.
-            let key = self.api.resource_url().to_string();
-            if !self.refused.as_ref().is_some_and(Turn::is_probe) {
-                self.refused = Some(self.upstream.refusals.refused(&key));
+            match &mut self.refused {
+                Some(turn) if turn.is_probe() => turn.again(),
+                // A waiter that asked again itself may find the probe gone, and take over.
+                _ => {
+                    let collection = self.api.resource_url();
+                    let kind = kind_of(collection);
+                    self.refused = Some(self.upstream.refusals.refused(&kind, collection));
+                }
             }
-            let delay = match persistent {
+            // The kind's probe asks at the fast pace however long refusals last.
+            let slow = persistent && !self.refused.as_ref().is_some_and(Turn::is_kind_probe);
+            let delay = match slow {
                 true => self.backoff.refused(),
                 false => self.backoff.failed(),
             };
@@ -536,6 +543,18 @@ impl Follow {
         self.phase = retry;
         self.failing = true;
         Event::Failed(error)
+    }
+}
+
+/// The kind of a collection's URL: without its namespace (`/apis/g/v/namespaces/ns/plural` is
+/// of `/apis/g/v/plural`).
+fn kind_of(collection: &str) -> String {
+    match collection.split_once("/namespaces/") {
+        Some((group, rest)) => {
+            let plural = rest.split_once('/').map_or("", |(_, plural)| plural);
+            format!("{group}/{plural}")
+        }
+        None => collection.to_string(),
     }
 }
 
@@ -577,6 +596,18 @@ mod tests {
         assert_eq!(super::pace(true), (290, Duration::from_secs(70)));
         // Over HTTP/1.1 the server's own end of the watch shows the connection alive.
         assert_eq!(super::pace(false), (35, Duration::from_secs(45)));
+    }
+
+    #[test]
+    fn a_collection_is_of_its_kind_whatever_its_namespace() {
+        assert_eq!(
+            super::kind_of("/apis/g.example/v1/namespaces/team-a/widgets"),
+            "/apis/g.example/v1/widgets"
+        );
+        assert_eq!(
+            super::kind_of("/apis/g.example/v1/widgets"),
+            "/apis/g.example/v1/widgets"
+        );
     }
 
     #[test]

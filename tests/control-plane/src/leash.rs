@@ -51,15 +51,9 @@ impl Leash for std::process::Command {
 }
 
 impl Leash for tokio::process::Command {
-    #[allow(unsafe_code)]
     fn leashed_with(&mut self, signal: libc::c_int) -> &mut Self {
-        follow_cargo();
-        if let Some(run) = std::env::var_os(RUN) {
-            self.env(RUN, run);
-        }
-        let on_parent_death = on_parent_death(signal);
-        // SAFETY: the closure makes only async-signal-safe system calls.
-        unsafe { self.pre_exec(on_parent_death) }
+        self.as_std_mut().leashed_with(signal);
+        self
     }
 }
 
