@@ -13,7 +13,6 @@ use std::time::Duration;
 use crd_broker::pb::flagd::flag_sync_service_client::FlagSyncServiceClient;
 use crd_broker::pb::flagd::{FetchAllFlagsRequest, SyncFlagsRequest};
 use kube::api::{Api, DeleteParams, DynamicObject, Patch, PatchParams};
-use kube::core::ApiResource;
 use serde_json::{Value, json};
 use support::control_plane::*;
 use support::flagd::Flagd;
@@ -22,16 +21,6 @@ use tokio::time::Instant;
 
 /// How long flagd may take to evaluate an edit of the CR.
 const EDIT: Duration = Duration::from_secs(2);
-
-fn feature_flags() -> ApiResource {
-    ApiResource {
-        group: "core.openfeature.dev".into(),
-        version: "v1beta1".into(),
-        api_version: "core.openfeature.dev/v1beta1".into(),
-        kind: "FeatureFlag".into(),
-        plural: "featureflags".into(),
-    }
-}
 
 /// A namespace with the FeatureFlag CRD installed and the FeatureFlag `demo` whose flag `f`
 /// is `variant`.

@@ -9,7 +9,6 @@ use std::time::Duration;
 
 use crd_broker::pb::subscribe_response::Event;
 use kube::api::{Api, DeleteParams, DynamicObject, Patch, PatchParams};
-use kube::core::ApiResource;
 use serde_json::{Value, json};
 use support::control_plane::*;
 use support::*;
@@ -541,57 +540,19 @@ fn flag_values(namespace: &str) -> Value {
     })
 }
 
-fn feature_flags() -> ApiResource {
-    ApiResource {
-        group: "core.openfeature.dev".into(),
-        version: "v1beta1".into(),
-        api_version: "core.openfeature.dev/v1beta1".into(),
-        kind: "FeatureFlag".into(),
-        plural: "featureflags".into(),
-    }
-}
-
 #[tokio::test]
 async fn the_python_flagd_provider_evaluates_flags_from_the_real_server_and_their_changes() {
-    use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
     let plane = control_plane();
     let ns = plane.namespace("flagd-provider").await;
     plane.install_crds(&[feature_flag_crd()]).await;
     plane.apply(&[flag_in(&ns, "demo", "on")]).await;
     let broker = plane.deploy(&ns, flag_values(&ns)).await;
 
-    let mut provider =
-        tokio::process::Command::new(python_with("openfeature.contrib.provider.flagd"))
-            .arg(concat!(
-                env!("CARGO_MANIFEST_DIR"),
-                "/tests/python/flagd_evaluate.py"
-            ))
-            .env("FLAGD_RESOLVER", "in-process")
-            .env("FLAGD_HOST", "127.0.0.1")
-            .env("FLAGD_PORT", broker.grpc.port().to_string())
-            .env(
-                "FLAGD_SOURCE_SELECTOR",
-                format!("core.openfeature.dev/{ns}/demo"),
-            )
-            .stdin(std::process::Stdio::piped())
-            .stdout(std::process::Stdio::piped())
-            .kill_on_drop(true)
-            .leashed()
-            .spawn()
-            .expect("python runs");
-    let mut stdin = provider.stdin.take().unwrap();
-    let mut lines = tokio::io::BufReader::new(provider.stdout.take().unwrap()).lines();
-    let mut said = async || {
-        tokio::time::timeout(Duration::from_secs(60), lines.next_line())
-            .await
-            .expect("the provider answers")
-            .unwrap()
-            .expect("the provider runs")
-    };
-    assert!(said().await.starts_with("ready "));
-    stdin.write_all(b"expect f true\n").await.unwrap();
+    let selector = format!("core.openfeature.dev/{ns}/demo");
+    let mut provider = support::flagd::Provider::start(broker.grpc, &selector).await;
+    let seen = provider.expect("f", json!(true)).await;
     assert!(
-        said().await.starts_with("seen "),
+        seen.starts_with("seen "),
         "f is on, as the FeatureFlag says"
     );
 
@@ -605,8 +566,7 @@ async fn the_python_flagd_provider_evaluates_flags_from_the_real_server_and_thei
     )
     .await
     .unwrap();
-    stdin.write_all(b"expect f false\n").await.unwrap();
-    let seen = said().await;
+    let seen = provider.expect("f", json!(false)).await;
     assert!(seen.starts_with("seen "), "the change is evaluated: {seen}");
     let took = edited.elapsed();
     assert!(

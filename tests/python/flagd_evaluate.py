@@ -6,7 +6,9 @@ Usage: flagd_evaluate.py < commands
 
 It prints `ready SECONDS` once the provider is ready. Then, for each line on stdin
 `expect FLAG VALUE` (VALUE as JSON: true, "red"), it evaluates FLAG until it gives VALUE and
-prints `seen SECONDS`, or `timeout LAST` after 10 s. End of input shuts it down.
+prints `seen SECONDS`, or `timeout LAST` after 10 s; for `details FLAG` it prints FLAG's boolean
+evaluation (default false) as one JSON object: value, variant, reason, error code. End of input
+shuts it down.
 """
 
 import json
@@ -31,6 +33,11 @@ def main():
     client = api.get_client("evaluate")
     print(f"ready {time.monotonic() - started:.3f}", flush=True)
     for line in sys.stdin:
+        if line.startswith("details "):
+            d = client.get_boolean_details(line.split()[1], False)
+            code = d.error_code.value if d.error_code else None
+            print(json.dumps([d.value, d.variant, str(d.reason), code]), flush=True)
+            continue
         _, flag, want = line.split(maxsplit=2)
         want = json.loads(want)
         asked = time.monotonic()

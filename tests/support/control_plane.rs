@@ -16,6 +16,17 @@ pub fn control_plane() -> &'static ControlPlane {
     shared()
 }
 
+/// The OpenFeature Operator's FeatureFlags (`core.openfeature.dev/v1beta1`).
+pub fn feature_flags() -> ApiResource {
+    ApiResource {
+        group: "core.openfeature.dev".into(),
+        version: "v1beta1".into(),
+        api_version: "core.openfeature.dev/v1beta1".into(),
+        kind: "FeatureFlag".into(),
+        plural: "featureflags".into(),
+    }
+}
+
 /// The broker as the Helm chart deploys it, running against a control plane: the chart rendered
 /// by helm as the release `namespace` in `namespace`, every object applied, and the
 /// container's args and env run with a kubeconfig holding its ServiceAccount's token.

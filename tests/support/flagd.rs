@@ -1,5 +1,5 @@
 //! The real flagd daemon (`scripts/peers`), started on free loopback ports and asked through
-//! its own OFREP evaluation API.
+//! its own OFREP evaluation API; and the Python flagd provider, evaluating on command.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -98,5 +98,70 @@ impl Flagd {
         let text = std::fs::read_to_string(&self.log).unwrap_or_default();
         let lines: Vec<&str> = text.lines().collect();
         lines[lines.len().saturating_sub(40)..].join("\n")
+    }
+}
+
+/// The Python flagd provider, unmodified, in-process mode (`tests/python/flagd_evaluate.py`),
+/// configured only by its `FLAGD_*` environment, evaluating on command; killed when dropped.
+pub struct Provider {
+    _child: tokio::process::Child,
+    stdin: tokio::process::ChildStdin,
+    lines: tokio::io::Lines<tokio::io::BufReader<tokio::process::ChildStdout>>,
+}
+
+impl Provider {
+    /// Started against the sync server at `at` for `selector`, and ready.
+    pub async fn start(at: SocketAddr, selector: &str) -> Provider {
+        use tokio::io::AsyncBufReadExt;
+        let script =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/flagd_evaluate.py");
+        let mut child =
+            tokio::process::Command::new(super::python_with("openfeature.contrib.provider.flagd"))
+                .arg(script)
+                .env("FLAGD_RESOLVER", "in-process")
+                .env("FLAGD_HOST", at.ip().to_string())
+                .env("FLAGD_PORT", at.port().to_string())
+                .env("FLAGD_SOURCE_SELECTOR", selector)
+                .stdin(std::process::Stdio::piped())
+                .stdout(std::process::Stdio::piped())
+                .kill_on_drop(true)
+                .leashed()
+                .spawn()
+                .expect("python runs");
+        let stdin = child.stdin.take().unwrap();
+        let lines = tokio::io::BufReader::new(child.stdout.take().unwrap()).lines();
+        let mut provider = Provider {
+            _child: child,
+            stdin,
+            lines,
+        };
+        let ready = provider.said().await;
+        assert!(ready.starts_with("ready "), "{ready}");
+        provider
+    }
+
+    /// Its next line.
+    async fn said(&mut self) -> String {
+        tokio::time::timeout(Duration::from_secs(60), self.lines.next_line())
+            .await
+            .expect("the provider answers")
+            .unwrap()
+            .expect("the provider runs")
+    }
+
+    async fn ask(&mut self, line: String) -> String {
+        use tokio::io::AsyncWriteExt;
+        self.stdin.write_all(line.as_bytes()).await.unwrap();
+        self.said().await
+    }
+
+    /// Evaluates `flag` until it is `value` (10 s at most): `seen SECONDS` or `timeout LAST`.
+    pub async fn expect(&mut self, flag: &str, value: Value) -> String {
+        self.ask(format!("expect {flag} {value}\n")).await
+    }
+
+    /// `flag`'s boolean evaluation: [value, variant, reason, error code].
+    pub async fn details(&mut self, flag: &str) -> Value {
+        serde_json::from_str(&self.ask(format!("details {flag}\n")).await).unwrap()
     }
 }
