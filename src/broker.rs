@@ -45,6 +45,8 @@ pub struct Config {
     pub admin: crate::ops::guard::Settings,
     /// The xDS name resolver for the broker's own Service, if on (`--xds-service`).
     pub xds: Option<crate::xds::Settings>,
+    /// What every flagd sync response carries as its `sync_context` (`--context-value`).
+    pub flagd_context: Vec<(String, String)>,
 }
 
 /// The default `--max-watches`: each watch holds a connection to the API server, and a cluster
@@ -91,6 +93,7 @@ impl Default for Config {
             access: access::Settings::default(),
             admin: crate::ops::guard::Settings::default(),
             xds: None,
+            flagd_context: Vec::new(),
         }
     }
 }
@@ -208,11 +211,10 @@ impl<S: Source> Running<S> {
             .register_encoded_file_descriptor_set(crate::pb::DESCRIPTOR_SET)
             .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
             .build_v1alpha()?;
-        let flagd = Arc::new(FlagdCore::new(
-            registry.clone(),
-            access.clone(),
-            shutdown.clone(),
-        ));
+        let flagd = Arc::new(
+            FlagdCore::new(registry.clone(), access.clone(), shutdown.clone())
+                .with_context(crate::grpc::flagd::sync_context(&config.flagd_context)?),
+        );
         let native = Arc::new(BrokerService::new(
             registry.clone(),
             access.clone(),

@@ -308,6 +308,10 @@ async fn access_settings_that_cannot_work_are_refused_at_start_with_the_reason()
     let good = dir.path().join("good.yaml");
     std::fs::write(&good, "grants: []\n").unwrap();
     let good = good.to_str().unwrap();
+    let many_context_values = (0..65)
+        .map(|n| format!("k{n}=v"))
+        .collect::<Vec<_>>()
+        .join(",");
     type Env<'a> = Vec<(&'a str, &'a str)>;
     let cases: Vec<(Vec<&str>, Env, &str)> = vec![
         (
@@ -380,6 +384,16 @@ async fn access_settings_that_cannot_work_are_refused_at_start_with_the_reason()
             vec!["--api-burst", "5"],
             vec![],
             "--api-burst 5 needs --api-qps",
+        ),
+        (
+            vec!["--context-value", "=eu"],
+            vec![],
+            "\"=eu\" is not KEY=VALUE",
+        ),
+        (
+            vec![],
+            vec![("CRD_BROKER_CONTEXT_VALUES", many_context_values.as_str())],
+            "65 --context-values: at most 64",
         ),
     ];
     for (args, env, want) in cases {

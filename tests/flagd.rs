@@ -165,6 +165,86 @@ async fn the_header_selector_wins_and_bad_selectors_are_invalid_argument() {
 }
 
 #[tokio::test]
+async fn context_values_are_every_responses_sync_context_and_the_metadata() {
+    let fake = fake().await;
+    fake.apply(flag("demo", "on")).unwrap();
+    let values = [
+        ("region", "eu-west"),
+        ("tier", "gold"),
+        ("region", "eu-north"),
+    ];
+    let config = crd_broker::broker::Config {
+        flagd_context: values.map(|(k, v)| (k.into(), v.into())).to_vec(),
+        ..Default::default()
+    };
+    let broker = broker_with(&fake, with_admin().await, config, vec![]);
+    let mut client = FlagSyncServiceClient::connect(format!("http://{}", broker.addr))
+        .await
+        .unwrap();
+    let wanted = prost_types::Struct {
+        fields: [("region", "eu-north"), ("tier", "gold")]
+            .map(|(k, v)| {
+                let v = prost_types::Value {
+                    kind: Some(prost_types::value::Kind::StringValue(v.into())),
+                };
+                (k.to_string(), v)
+            })
+            .into(),
+    };
+    let mut stream = client
+        .sync_flags(sync_request(None, SELECTOR))
+        .await
+        .unwrap()
+        .into_inner();
+    let first = stream.message().await.unwrap().unwrap();
+    assert_eq!(
+        first.sync_context.as_ref(),
+        Some(&wanted),
+        "the last value of a key wins"
+    );
+    fake.merge_patch(GV, "featureflags", "default", "demo", variant_patch("off"))
+        .unwrap();
+    let next = stream.message().await.unwrap().unwrap();
+    assert!(next.flag_configuration.contains("off"));
+    assert_eq!(
+        next.sync_context.as_ref(),
+        Some(&wanted),
+        "on every response"
+    );
+    let metadata = client
+        .get_metadata(flagd::GetMetadataRequest {})
+        .await
+        .unwrap();
+    assert_eq!(metadata.into_inner().metadata, Some(wanted));
+
+    // The legacy protocol has no such field; a broker without values sends none.
+    let default = start(Duration::from_secs(30)).await;
+    default.fake.apply(flag("demo", "on")).unwrap();
+    let mut plain = flagd_client(&default).await;
+    let mut stream = plain
+        .sync_flags(sync_request(None, SELECTOR))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(stream.message().await.unwrap().unwrap().sync_context, None);
+}
+
+#[test]
+fn context_values_are_bounded_with_a_clear_error() {
+    let many: Vec<(String, String)> = (0..65).map(|n| (format!("k{n}"), "v".into())).collect();
+    let e = crd_broker::grpc::flagd::sync_context(&many).unwrap_err();
+    assert_eq!(e.to_string(), "65 --context-values: at most 64");
+    let long = [("k".to_string(), "v".repeat(4097))];
+    let e = crd_broker::grpc::flagd::sync_context(&long).unwrap_err();
+    assert_eq!(e.to_string(), "the --context-value of k is over 4096 bytes");
+    assert!(
+        crd_broker::grpc::flagd::sync_context(&[])
+            .unwrap()
+            .is_none()
+    );
+}
+
+#[tokio::test]
 async fn get_metadata_answers_ok_with_its_struct_and_fetch_all_flags_answers_once() {
     let h = start(Duration::from_secs(30)).await;
     h.fake.apply(flag("demo", "on")).unwrap();

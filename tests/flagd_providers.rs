@@ -1,7 +1,8 @@
 //! The real OpenFeature flagd provider (Python, in-process resolver) against the broker on the
 //! fake API server: ready, boolean and targeted string flags, changes within 1 s, delete and
-//! re-create, recovery after a broker restart, and ten providers sharing one watch. The provider
-//! runs from the virtualenv the README's test command makes (`.venv`, or `$CRD_BROKER_PYTHON`).
+//! re-create, recovery after a broker restart, ten providers sharing one watch, and the broker's
+//! `--context-value`s taken as evaluation context. The provider runs from the virtualenv the
+//! README's test command makes (`.venv`, or `$CRD_BROKER_PYTHON`).
 
 mod support;
 
@@ -172,4 +173,33 @@ async fn the_python_provider_unchanged_reads_its_namespace_and_is_refused_anothe
     );
     let m = metrics(broker.admin_addr.unwrap()).await;
     assert!(get(&m, r#"crd_broker_denials_total{reason="namespace"}"#) >= 1.0);
+}
+
+#[tokio::test]
+async fn the_python_provider_takes_the_brokers_context_values_as_evaluation_context() {
+    // A flag targeted on `region`, which no evaluation passes: only the broker's
+    // `--context-value region=eu-north`, sent as `sync_context`, can make it match.
+    let targeted = || {
+        let mut f = flag("demo", "off");
+        f["spec"]["flagSpec"]["flags"]["f"]["targeting"] = serde_json::json!(
+            { "if": [{ "==": [{ "var": "region" }, "eu-north"] }, "on", "off"] });
+        f
+    };
+    let fake = fake().await;
+    fake.apply(targeted()).unwrap();
+    let config = crd_broker::broker::Config {
+        flagd_context: vec![("region".into(), "eu-north".into())],
+        ..Default::default()
+    };
+    let broker = broker_with(&fake, with_admin().await, config, vec![]);
+    let selector = "core.openfeature.dev/default/demo";
+    let mut provider = support::flagd::Provider::start(broker.addr, selector).await;
+    let details = provider.details("f").await;
+    assert_eq!(details[0], serde_json::json!(true), "{details}");
+    assert_eq!(details[1], "on", "the targeted variant: {details}");
+    // Without the value, the same flag evaluates to its default variant.
+    let plain = start(Duration::from_secs(30)).await;
+    plain.fake.apply(targeted()).unwrap();
+    let mut provider = support::flagd::Provider::start(plain.broker.addr, selector).await;
+    assert_eq!(provider.details("f").await[1], "off");
 }

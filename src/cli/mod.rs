@@ -113,6 +113,18 @@ pub struct Start {
     /// Which callers may read which namespaces, as `serve --policy`.
     #[arg(long, env = "CRD_BROKER_POLICY", value_name = "FILE")]
     pub policy: Option<PathBuf>,
+    /// A value for every response's `sync_context`, as `serve --context-value` (and flagd's).
+    #[arg(long = "context-value", value_name = "KEY=VALUE", value_delimiter = ',', value_parser = context_value)]
+    pub context_values: Vec<(String, String)>,
+}
+
+/// A `--context-value`: `KEY=VALUE`, the key not empty (its bounds:
+/// [`crate::grpc::flagd::sync_context`]).
+fn context_value(text: &str) -> Result<(String, String), String> {
+    match text.split_once('=') {
+        Some((key, value)) if !key.is_empty() => Ok((key.to_string(), value.to_string())),
+        _ => Err(format!("{text:?} is not KEY=VALUE")),
+    }
 }
 
 /// A duration where `0` (or `off`) means "never".
@@ -290,6 +302,12 @@ pub struct Serve {
     /// they change (ADR 0023). Off when unset.
     #[arg(long, env = "CRD_BROKER_XDS_SERVICE")]
     pub xds_service: Option<crate::xds::XdsService>,
+    /// A value every flagd sync response carries in its `sync_context`, as flagd's own
+    /// `--context-value`: `KEY=VALUE`, repeated or comma-separated (at most 64, keys of at most
+    /// 256 bytes, values of at most 4,096 bytes). The in-process flagd providers take it as
+    /// evaluation context for every evaluation; `GetMetadata` answers it too.
+    #[arg(long = "context-value", value_name = "KEY=VALUE", env = "CRD_BROKER_CONTEXT_VALUES", value_delimiter = ',', value_parser = context_value)]
+    pub context_values: Vec<(String, String)>,
     /// With `--xds-service`: on SIGTERM, how long this replica serves its own address as
     /// DRAINING to xDS clients before it ends its streams.
     #[arg(long, env = "CRD_BROKER_XDS_DRAIN_NOTICE", default_value = "2s", value_parser = humantime::parse_duration)]
@@ -502,6 +520,9 @@ impl Start {
         if let Some(policy) = &self.policy {
             serve.policy = Some(policy.clone());
         }
+        if !self.context_values.is_empty() {
+            serve.context_values = self.context_values.clone();
+        }
         if serve.resources.is_empty() {
             serve.resources = vec![FEATURE_FLAGS.parse()?];
         }
@@ -558,6 +579,7 @@ impl Serve {
                 stream_send_buffer: transport::DEFAULT_STREAM_SEND_BUFFER,
             },
             max_watches: self.max_watches,
+            flagd_context: self.context_values.clone(),
             admin: crate::ops::guard::Settings {
                 debug_endpoints: self.debug_endpoints,
                 admin_auth: self.admin_auth,

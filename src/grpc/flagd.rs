@@ -77,12 +77,13 @@ impl Protocol {
         }
     }
 
-    /// A SyncFlagsResponse carrying `config`.
-    fn encode(self, config: String) -> Bytes {
+    /// A SyncFlagsResponse carrying `config`, and `context` as its `sync_context` where the
+    /// protocol has one.
+    fn encode(self, config: String, context: &Context) -> Bytes {
         match self {
             Protocol::Flagd => flagd::SyncFlagsResponse {
                 flag_configuration: config,
-                sync_context: None,
+                sync_context: context.as_deref().cloned(),
             }
             .encode_to_vec(),
             Protocol::Legacy => legacy::SyncFlagsResponse {
@@ -93,6 +94,45 @@ impl Protocol {
         }
         .into()
     }
+}
+
+/// What every `flagd.sync.v1` response carries as its `sync_context`: static values given at
+/// start (`--context-value`), as flagd's own sync server does; none by default.
+pub type Context = Option<Arc<prost_types::Struct>>;
+
+/// The most `--context-value`s, and the longest key and value, in bytes: the context is sent
+/// with every message.
+pub const CONTEXT_VALUES: usize = 64;
+const CONTEXT_KEY_BYTES: usize = 256;
+const CONTEXT_VALUE_BYTES: usize = 4096;
+
+/// The `sync_context` of `values` (`KEY=VALUE` pairs, each value a string; a key given twice
+/// keeps its last value), or an error naming the bound one passes.
+pub fn sync_context(values: &[(String, String)]) -> anyhow::Result<Context> {
+    if values.is_empty() {
+        return Ok(None);
+    }
+    anyhow::ensure!(
+        values.len() <= CONTEXT_VALUES,
+        "{} --context-values: at most {CONTEXT_VALUES}",
+        values.len()
+    );
+    let mut fields = std::collections::BTreeMap::new();
+    for (key, value) in values {
+        anyhow::ensure!(
+            !key.is_empty() && key.len() <= CONTEXT_KEY_BYTES,
+            "a --context-value key has 1 to {CONTEXT_KEY_BYTES} bytes"
+        );
+        anyhow::ensure!(
+            value.len() <= CONTEXT_VALUE_BYTES,
+            "the --context-value of {key} is over {CONTEXT_VALUE_BYTES} bytes"
+        );
+        let value = prost_types::Value {
+            kind: Some(prost_types::value::Kind::StringValue(value.clone())),
+        };
+        fields.insert(key.clone(), value);
+    }
+    Ok(Some(Arc::new(prost_types::Struct { fields })))
 }
 
 /// The flag configuration of a FeatureFlag: its `spec.flagSpec`, unchanged (`{"flags": …,
@@ -236,7 +276,7 @@ fn merged(
     metrics: &crate::telemetry::Metrics,
     set: &str,
     members: &Members,
-    protocol: Option<Protocol>,
+    protocol: Option<(Protocol, &Context)>,
 ) -> Option<Result<Wire, Status>> {
     if !members.synced {
         return match &members.failure {
@@ -259,8 +299,8 @@ fn merged(
     });
     Some(Ok(match protocol {
         None => text,
-        Some(protocol) => members.wire(protocol.slot(), |_| {
-            protocol.encode(String::from_utf8_lossy(&text.bytes).into_owned())
+        Some((protocol, context)) => members.wire(protocol.slot(), |_| {
+            protocol.encode(String::from_utf8_lossy(&text.bytes).into_owned(), context)
         }),
     }))
 }
@@ -374,6 +414,8 @@ pub struct FlagdCore<S> {
     access: Arc<Access>,
     shutdown: CancellationToken,
     limit: usize,
+    /// What every `flagd.sync.v1` response carries as its `sync_context`, if anything.
+    context: Context,
 }
 
 impl<S: Source> FlagdCore<S> {
@@ -385,7 +427,14 @@ impl<S: Source> FlagdCore<S> {
             access,
             shutdown,
             limit: MAX_MESSAGE,
+            context: None,
         }
+    }
+
+    /// Every `flagd.sync.v1` response carries `context` as its `sync_context`
+    /// ([`sync_context`]).
+    pub fn with_context(self, context: Context) -> Self {
+        FlagdCore { context, ..self }
     }
 
     async fn sync_set(
@@ -407,11 +456,13 @@ impl<S: Source> FlagdCore<S> {
             }
         });
         let name = set.to_string();
+        let context = self.context.clone();
         let frames = futures::stream::unfold(
             (members, ends, None::<u64>, true),
             move |(mut members, mut ends, last, first)| {
                 let metrics = metrics.clone();
                 let name = name.clone();
+                let context = context.clone();
                 async move {
                     let mut first = first;
                     loop {
@@ -424,7 +475,7 @@ impl<S: Source> FlagdCore<S> {
                             }
                         }
                         let current = members.current();
-                        match merged(&metrics, &name, &current, Some(protocol)) {
+                        match merged(&metrics, &name, &current, Some((protocol, &context))) {
                             None => continue,
                             Some(Err(status)) => {
                                 return Some((Err(status), (members, ends, last, false)));
@@ -508,7 +559,8 @@ impl<S: Source> FlagdCore<S> {
             subscription.cold,
         );
         let name = flag_name(&canonical);
-        let next = configurations(protocol, name, self.limit, delivery, span.clone());
+        let context = self.context.clone();
+        let next = configurations(protocol, context, name, self.limit, delivery, span.clone());
         let end = End::new(drain, Some(ticket));
         Ok(Messages::new(subscription, end, span, next).boxed())
     }
@@ -577,6 +629,7 @@ fn too_large(name: &str, size: usize, limit: usize) -> Status {
 /// The configurations for one subscriber: at once, then each one that differs from the last sent.
 fn configurations(
     protocol: Protocol,
+    context: Context,
     name: String,
     limit: usize,
     mut delivery: Delivery,
@@ -593,9 +646,9 @@ fn configurations(
             }
             State::Failed(_) => return Next::Wait,
             State::Present(u) => u.wire(protocol.slot(), |o| {
-                protocol.encode(flag_configuration(&o.json))
+                protocol.encode(flag_configuration(&o.json), &context)
             }),
-            State::Absent { .. } => Wire::new(protocol.encode(NO_FLAGS.to_string())),
+            State::Absent { .. } => Wire::new(protocol.encode(NO_FLAGS.to_string(), &context)),
         };
         if last == Some(wire.digest) {
             return Next::Wait;
@@ -645,10 +698,11 @@ impl<S: Source> flagd::flag_sync_service_server::FlagSyncService for FlagdServic
         &self,
         _request: Request<flagd::GetMetadataRequest>,
     ) -> Result<Response<flagd::GetMetadataResponse>, Status> {
-        // Present but empty: the Python provider needs the field, and whatever it holds becomes
-        // evaluation context for every evaluation.
+        // Present, empty but for `--context-value`: the Python provider needs the field, and
+        // whatever it holds becomes evaluation context for every evaluation.
+        let context = self.0.context.as_deref().cloned().unwrap_or_default();
         Ok(Response::new(flagd::GetMetadataResponse {
-            metadata: Some(prost_types::Struct::default()),
+            metadata: Some(context),
         }))
     }
 }
@@ -834,11 +888,12 @@ mod tests {
 
     #[test]
     fn legacy_responses_say_all() {
-        let bytes = Protocol::Legacy.encode(NO_FLAGS.into());
+        let bytes = Protocol::Legacy.encode(NO_FLAGS.into(), &None);
         let r = legacy::SyncFlagsResponse::decode(bytes).unwrap();
         assert_eq!(r.state(), legacy::SyncState::All);
         assert_eq!(r.flag_configuration, NO_FLAGS);
-        let r = flagd::SyncFlagsResponse::decode(Protocol::Flagd.encode(NO_FLAGS.into())).unwrap();
+        let r = flagd::SyncFlagsResponse::decode(Protocol::Flagd.encode(NO_FLAGS.into(), &None))
+            .unwrap();
         assert!(r.sync_context.is_none());
     }
 }
