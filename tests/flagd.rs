@@ -445,7 +445,16 @@ async fn start_runs_the_broker_as_the_operator_starts_flagd_proxy() {
         .unwrap()
         .into_inner();
     assert_eq!(config(&mut s).await["flags"]["f"]["defaultVariant"], "on");
-    let ready = http_get(management, "/readyz").await;
+    // Readiness answers 503 until the broker's first check of its source, which runs in the
+    // background: wait for that verdict, then it must be ready.
+    let deadline = tokio::time::Instant::now() + WAIT;
+    let ready = loop {
+        let ready = http_get(management, "/readyz").await;
+        if !ready.contains("not been checked yet") || tokio::time::Instant::now() > deadline {
+            break ready;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
     assert!(
         ready.starts_with("HTTP/1.1 200"),
         "the admin endpoints answer on --management-port: {ready}"
