@@ -714,3 +714,108 @@ async fn a_set_selector_serves_the_merged_flags_of_its_feature_flags_in_name_ord
     let keys: Vec<&String> = every["flags"].as_object().unwrap().keys().collect();
     assert_eq!(keys, ["v", "w", "y", "z"], "{every}");
 }
+
+/// The line of `family{labels}` in the broker's metrics, as text; none if it has no series.
+fn series(h: &Harness, family_and_labels: &str) -> Option<String> {
+    h.broker
+        .registry
+        .metrics()
+        .encode()
+        .lines()
+        .find(|l| l.starts_with(family_and_labels))
+        .map(str::to_string)
+}
+
+#[tokio::test]
+async fn sync_streams_are_counted_by_selector_and_each_end_by_its_reason() {
+    let h = start(Duration::from_secs(30)).await;
+    h.fake.apply(flag("demo", "on")).unwrap();
+    let mut big = flag("big", "on");
+    big["spec"]["flagSpec"]["metadata"] = json!({ "padding": "x".repeat(4_300_000) });
+    h.fake.apply(big).unwrap();
+    let mut client = flagd_client(&h).await;
+    let demo = r#"{selector="featureflags.v1beta1.core.openfeature.dev/default/demo""#;
+    let open = format!("crd_broker_flagd_sync_streams{demo}}}");
+    let ended = |reason: &str| {
+        format!("crd_broker_flagd_sync_streams_ended_total{demo},reason=\"{reason}\"}}")
+    };
+
+    // Open, then its client goes.
+    let mut s = client
+        .sync_flags(sync_request(Some(SELECTOR), ""))
+        .await
+        .unwrap()
+        .into_inner();
+    config(&mut s).await;
+    assert_eq!(series(&h, &open).unwrap(), format!("{open} 1"));
+    drop(s);
+    eventually("the client's end counted", WAIT, async || {
+        series(&h, &ended("client_disconnect")).is_some()
+    })
+    .await;
+    assert_eq!(series(&h, &open).unwrap(), format!("{open} 0"));
+
+    // The deadline the client gave is kept by the broker too: DEADLINE_EXCEEDED, counted so.
+    let mut request = sync_request(Some(SELECTOR), "");
+    request.set_timeout(Duration::from_millis(700));
+    let mut s = client.sync_flags(request).await.unwrap().into_inner();
+    config(&mut s).await;
+    let status = support::ended(&mut s).await;
+    assert_eq!(status.code(), Code::DeadlineExceeded, "{status:?}");
+    eventually("the deadline's end counted", WAIT, async || {
+        series(&h, &ended("deadline_exceeded")).is_some()
+    })
+    .await;
+
+    // A malformed deadline is refused by name.
+    let mut request = sync_request(Some(SELECTOR), "");
+    request
+        .metadata_mut()
+        .insert("grpc-timeout", "soon".parse().unwrap());
+    let status = client.sync_flags(request).await.unwrap_err();
+    assert_eq!(status.code(), Code::InvalidArgument);
+    assert!(
+        status.message().contains("grpc-timeout \"soon\""),
+        "{status:?}"
+    );
+
+    // The broker ends it with an error: a configuration too large.
+    let mut s = client
+        .sync_flags(sync_request(Some("core.openfeature.dev/default/big"), ""))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(support::ended(&mut s).await.code(), Code::ResourceExhausted);
+    let big = r#"crd_broker_flagd_sync_streams_ended_total{selector="featureflags.v1beta1.core.openfeature.dev/default/big",reason="error"}"#;
+    eventually("the error's end counted", WAIT, async || {
+        series(&h, big).is_some_and(|l| l.ends_with(" 1"))
+    })
+    .await;
+
+    // The broker drains: shutdown.
+    let mut s = client
+        .sync_flags(sync_request(Some(SELECTOR), ""))
+        .await
+        .unwrap()
+        .into_inner();
+    config(&mut s).await;
+    let metrics = h.broker.registry.metrics().clone();
+    let stopping = tokio::spawn(h.broker.stop());
+    assert_eq!(support::ended(&mut s).await.code(), Code::Unavailable);
+    stopping.await.unwrap().unwrap();
+    let text = metrics.encode();
+    for (reason, count) in [
+        ("client_disconnect", 1),
+        ("deadline_exceeded", 1),
+        ("drain", 1),
+    ] {
+        let line = format!("{} {count}", ended(reason));
+        assert!(text.lines().any(|l| l == line), "{line} in:\n{text}");
+    }
+    assert!(text.lines().any(|l| l == format!("{open} 0")), "{text}");
+    assert!(
+        text.lines()
+            .any(|l| l == r#"crd_broker_flagd_sync_stream_seconds_count{reason="drain"} 1"#),
+        "{text}"
+    );
+}

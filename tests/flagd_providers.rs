@@ -203,3 +203,180 @@ async fn the_python_provider_takes_the_brokers_context_values_as_evaluation_cont
     let mut provider = support::flagd::Provider::start(plain.broker.addr, selector).await;
     assert_eq!(provider.details("f").await[1], "off");
 }
+
+/// A loopback relay that reads the HTTP/2 frame headers passing through it: PING frames its
+/// clients send (not acknowledgements) and GOAWAY frames the server sends.
+struct FrameTap {
+    address: std::net::SocketAddr,
+    connections: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    pings: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    goaways: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+/// HTTP/2 frame types (RFC 9113, section 6).
+const PING: u8 = 0x6;
+const GOAWAY: u8 = 0x7;
+const ACK: u8 = 0x1;
+
+impl FrameTap {
+    async fn to(target: std::net::SocketAddr) -> FrameTap {
+        use std::sync::Arc;
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap();
+        let connections = Arc::new(AtomicUsize::new(0));
+        let pings = Arc::new(AtomicUsize::new(0));
+        let goaways = Arc::new(AtomicUsize::new(0));
+        let counts = (connections.clone(), pings.clone(), goaways.clone());
+        let task = tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                counts.0.fetch_add(1, Ordering::Relaxed);
+                let server = tokio::net::TcpStream::connect(target).await.unwrap();
+                let (client_read, client_write) = client.into_split();
+                let (server_read, server_write) = server.into_split();
+                let pings = counts.1.clone();
+                tokio::spawn(tap(client_read, server_write, 24, move |kind, flags| {
+                    if kind == PING && flags & ACK == 0 {
+                        pings.fetch_add(1, Ordering::Relaxed);
+                    }
+                }));
+                let goaways = counts.2.clone();
+                tokio::spawn(tap(server_read, client_write, 0, move |kind, _| {
+                    if kind == GOAWAY {
+                        goaways.fetch_add(1, Ordering::Relaxed);
+                    }
+                }));
+            }
+        });
+        FrameTap {
+            address,
+            connections,
+            pings,
+            goaways,
+            task,
+        }
+    }
+
+    fn count(n: &std::sync::atomic::AtomicUsize) -> usize {
+        n.load(std::sync::atomic::Ordering::Relaxed)
+    }
+}
+
+impl Drop for FrameTap {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Copies `from` to `to`, calling `frame` with each frame's type and flags after the first
+/// `preface` bytes (the client's connection preface).
+async fn tap(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    preface: usize,
+    mut frame: impl FnMut(u8, u8) + Send + 'static,
+) {
+    let (mut pending, mut skip, mut buf) = (Vec::new(), preface, vec![0u8; 16 * 1024]);
+    loop {
+        let n = match from.read(&mut buf).await {
+            Ok(0) | Err(_) => break,
+            Ok(n) => n,
+        };
+        if to.write_all(&buf[..n]).await.is_err() {
+            break;
+        }
+        pending.extend_from_slice(&buf[..n]);
+        let taken = skip.min(pending.len());
+        pending.drain(..taken);
+        skip -= taken;
+        while pending.len() >= 9 {
+            let length = u32::from_be_bytes([0, pending[0], pending[1], pending[2]]) as usize;
+            if pending.len() < 9 + length {
+                break;
+            }
+            frame(pending[3], pending[4]);
+            pending.drain(..9 + length);
+        }
+    }
+    let _ = to.shutdown().await;
+}
+
+/// flagd#1999: grpc-go servers' default keepalive enforcement (a ping at most every 5 minutes)
+/// cut the Go provider, which pings every 30 s with `PermitWithoutStream`, every 60–90 s with
+/// GOAWAY ENHANCE_YOUR_CALM. grpc-go's own client, configured as that provider is, holds one
+/// idle SyncFlags stream for five minutes; the broker's own pings are off here, so that the
+/// client's are the only traffic.
+#[tokio::test]
+async fn grpc_gos_30_s_keepalive_pings_keep_an_idle_sync_stream_for_five_minutes() {
+    use prost::Message;
+    let fake = fake().await;
+    fake.apply(demo_manifest()).unwrap();
+    let mut config = crd_broker::broker::Config::default();
+    config.transport.keepalive_interval = None;
+    let broker = broker_with(&fake, with_admin().await, config, vec![]);
+    let tap = FrameTap::to(broker.addr).await;
+    let request = crd_broker::pb::flagd::SyncFlagsRequest {
+        provider_id: "go".into(),
+        selector: "core.openfeature.dev/default/demo".into(),
+    };
+    let hex: String = request
+        .encode_to_vec()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    let mut child = tokio::process::Command::new(peer("grpc-go"))
+        .args([&format!("dns:///{}", tap.address), "1", &hex, "0"])
+        .env("GRPC_GO_METHOD", "/flagd.sync.v1.FlagSyncService/SyncFlags")
+        .env("GRPC_GO_KEEPALIVE_MS", "30000")
+        .env("GRPC_GO_SAY_MESSAGES", "1")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .kill_on_drop(true)
+        .leashed()
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    // The next line the client prints within `within`, if any.
+    let mut next = async |within: Duration| -> Option<Value> {
+        let line = tokio::time::timeout(within, lines.next_line()).await.ok()?;
+        Some(serde_json::from_str(&line.unwrap().expect("the client runs")).unwrap())
+    };
+    // "started" and the flags, in either order.
+    let mut first = [next(WAIT).await, next(WAIT).await];
+    first.sort_by_key(|line| line.as_ref().is_some_and(|l| l.get("message").is_some()));
+    assert_eq!(first[0], Some(serde_json::json!({ "started": 1 })));
+    assert!(
+        first[1].as_ref().unwrap()["message"].as_u64().unwrap() > 0,
+        "the flags"
+    );
+
+    // Five minutes with nothing to say: the client's pings are the only traffic.
+    let quiet = next(Duration::from_secs(300)).await;
+    assert_eq!(quiet, None, "nothing in five minutes, no end");
+    let pings = FrameTap::count(&tap.pings);
+    eprintln!("the client pinged {pings} times in five minutes");
+    assert!((9..=11).contains(&pings), "a ping every 30 s: {pings}");
+    assert_eq!(FrameTap::count(&tap.goaways), 0, "no GOAWAY");
+    assert_eq!(
+        FrameTap::count(&tap.connections),
+        1,
+        "one connection throughout"
+    );
+
+    // The stream still carries changes.
+    fake.merge_patch(
+        GV,
+        "featureflags",
+        "default",
+        "demo",
+        serde_json::json!({ "spec": { "flagSpec": { "flags": { "new-checkout": { "defaultVariant": "on" } } } } }),
+    )
+    .unwrap();
+    let edit = next(WAIT).await.expect("the edit in time");
+    assert!(edit["message"].as_u64().unwrap() > 0, "the edit: {edit}");
+    assert_eq!(FrameTap::count(&tap.connections), 1);
+    drop(child.stdin.take());
+    let _ = child.kill().await;
+}

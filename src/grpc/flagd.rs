@@ -20,6 +20,9 @@ use tonic::metadata::MetadataMap;
 use tonic::{Request, Response, Status};
 
 use super::frame::Encoded;
+
+/// A sync stream's messages, encoded.
+type Frames = BoxStream<'static, Result<Encoded, Status>>;
 use super::messages::{End, Messages, Next};
 use super::{Delivery, admit_one, drain_of, shutting_down, source_status};
 use crate::access::{Access, Caller};
@@ -27,6 +30,7 @@ use crate::pb::{flagd, legacy};
 use crate::registry::{Members, Registry, State, Wire};
 use crate::selector::{KindRef, Selector};
 use crate::source::{Set, Source};
+use crate::telemetry::SyncStream;
 
 /// The largest message the flagd clients accept (their gRPC receive limit).
 pub const MAX_MESSAGE: usize = 4 * 1024 * 1024;
@@ -443,19 +447,19 @@ impl<S: Source> FlagdCore<S> {
         caller: Caller,
         set: Set,
         protocol: Protocol,
-    ) -> Result<BoxStream<'static, Result<Encoded, Status>>, Status> {
+    ) -> Result<(String, Frames), Status> {
         let (set, members, ticket) = admit_one(&self.registry, &self.access, &caller, &set).await?;
         let (metrics, limit) = (self.registry.metrics().clone(), self.limit);
         let revoked = ticket.revoked();
-        let active = crate::telemetry::Open::new(&metrics.subscriptions.sync_active_streams);
         let ends = Box::pin(async move {
-            let (_ticket, _active) = (ticket, active);
+            let _ticket = ticket;
             tokio::select! {
                 _ = request_drain.token().cancelled() => super::drained(request_drain.reason()),
                 status = revoked => status,
             }
         });
         let name = set.to_string();
+        let selector = name.clone();
         let context = self.context.clone();
         let frames = futures::stream::unfold(
             (members, ends, None::<u64>, true),
@@ -497,7 +501,7 @@ impl<S: Source> FlagdCore<S> {
                 }
             },
         );
-        Ok(super::until_error(frames).boxed())
+        Ok((selector, super::until_error(frames).boxed()))
     }
 
     async fn fetch_set(&self, caller: Caller, set: Set) -> Result<String, Status> {
@@ -526,14 +530,30 @@ impl<S: Source> FlagdCore<S> {
         Ok(String::from_utf8_lossy(&config.bytes).into_owned())
     }
 
+    /// A `SyncFlags` stream, counted under its selector until it ends
+    /// ([`SyncStream`]), and ended with DEADLINE_EXCEEDED at the deadline its client gave.
     async fn sync<T>(
         &self,
         request: &Request<T>,
         body: &str,
         protocol: Protocol,
-    ) -> Result<BoxStream<'static, Result<Encoded, Status>>, Status> {
-        let started = std::time::Instant::now();
+    ) -> Result<Frames, Status> {
+        let deadline = super::deadline_of(request.metadata())?;
         let drain = drain_of(request, &self.shutdown);
+        let (selector, frames) = self.frames(request, body, protocol, drain.clone()).await?;
+        let stream = SyncStream::open(self.registry.metrics().clone(), &selector, deadline);
+        Ok(super::counted(frames, stream, drain, deadline).boxed())
+    }
+
+    /// The canonical selector and the configurations of one `SyncFlags` stream.
+    async fn frames<T>(
+        &self,
+        request: &Request<T>,
+        body: &str,
+        protocol: Protocol,
+        drain: crate::conn::ConnDrain,
+    ) -> Result<(String, Frames), Status> {
+        let started = std::time::Instant::now();
         let selector = match target(request.metadata(), body)? {
             Target::One(selector) => selector,
             Target::Set(set) => {
@@ -562,7 +582,8 @@ impl<S: Source> FlagdCore<S> {
         let context = self.context.clone();
         let next = configurations(protocol, context, name, self.limit, delivery, span.clone());
         let end = End::new(drain, Some(ticket));
-        Ok(Messages::new(subscription, end, span, next).boxed())
+        let frames = Messages::new(subscription, end, span, next).boxed();
+        Ok((canonical.to_string(), frames))
     }
 
     async fn fetch<T>(&self, request: &Request<T>, body: &str) -> Result<String, Status> {
@@ -673,7 +694,7 @@ pub struct LegacyService<S>(pub std::sync::Arc<FlagdCore<S>>);
 
 #[tonic::async_trait]
 impl<S: Source> flagd::flag_sync_service_server::FlagSyncService for FlagdService<S> {
-    type SyncFlagsStream = BoxStream<'static, Result<Encoded, Status>>;
+    type SyncFlagsStream = Frames;
 
     async fn sync_flags(
         &self,
@@ -709,7 +730,7 @@ impl<S: Source> flagd::flag_sync_service_server::FlagSyncService for FlagdServic
 
 #[tonic::async_trait]
 impl<S: Source> legacy::flag_sync_service_server::FlagSyncService for LegacyService<S> {
-    type SyncFlagsStream = BoxStream<'static, Result<Encoded, Status>>;
+    type SyncFlagsStream = Frames;
 
     async fn sync_flags(
         &self,

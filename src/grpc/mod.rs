@@ -4,7 +4,7 @@
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use futures::stream::{self, BoxStream, Stream, StreamExt};
 use tokio_util::sync::CancellationToken;
@@ -421,7 +421,6 @@ pub(crate) struct Delivery {
     started: Instant,
     cold: bool,
     first: bool,
-    _sync: Option<crate::telemetry::Open>,
 }
 
 impl Delivery {
@@ -437,15 +436,12 @@ impl Delivery {
             protocol,
         };
         metrics.subscriptions.open.get_or_create(&labels).inc();
-        let sync = (protocol != Protocol::Native)
-            .then(|| crate::telemetry::Open::new(&metrics.subscriptions.sync_active_streams));
         Delivery {
             metrics,
             labels,
             started,
             cold,
             first: true,
-            _sync: sync,
         }
     }
 
@@ -483,6 +479,85 @@ impl Drop for Delivery {
             .get_or_create(&self.labels)
             .dec();
     }
+}
+
+/// The deadline a request's `grpc-timeout` gives, from now: 1 to 8 digits and a unit (`H`,
+/// `M`, `S`, `m`, `u`, `n`), as the gRPC protocol spells it; none without the header.
+pub(crate) fn deadline_of(
+    metadata: &tonic::metadata::MetadataMap,
+) -> Result<Option<Instant>, Status> {
+    let Some(value) = metadata.get("grpc-timeout") else {
+        return Ok(None);
+    };
+    let text = value.to_str().unwrap_or_default();
+    let malformed = || {
+        let shown: String = text.chars().take(32).collect();
+        Status::invalid_argument(format!(
+            "grpc-timeout {shown:?} is not a gRPC timeout: 1 to 8 digits and a unit of H, M, S, m, u or n"
+        ))
+    };
+    let digits = text.get(..text.len().saturating_sub(1)).unwrap_or_default();
+    if digits.is_empty() || digits.len() > 8 || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(malformed());
+    }
+    let amount: u64 = digits.parse().map_err(|_| malformed())?;
+    let timeout = match &text[digits.len()..] {
+        "H" => Duration::from_secs(amount * 3600),
+        "M" => Duration::from_secs(amount * 60),
+        "S" => Duration::from_secs(amount),
+        "m" => Duration::from_millis(amount),
+        "u" => Duration::from_micros(amount),
+        "n" => Duration::from_nanos(amount),
+        _ => return Err(malformed()),
+    };
+    Ok(Instant::now().checked_add(timeout))
+}
+
+/// `frames`, counted as `stream` until it ends, and ended with DEADLINE_EXCEEDED at `deadline`.
+/// An error ends it for the drain's reason when its connection is draining, as an error
+/// otherwise; a stream its client dropped is the client's doing ([`SyncStream`]).
+pub(crate) fn counted<T: Send + 'static>(
+    frames: BoxStream<'static, Result<T, Status>>,
+    stream: crate::telemetry::SyncStream,
+    drain: ConnDrain,
+    deadline: Option<Instant>,
+) -> impl Stream<Item = Result<T, Status>> + Send + 'static {
+    use crate::telemetry::StreamEnd;
+    let expiry = Box::pin(async move {
+        match deadline {
+            Some(at) => tokio::time::sleep_until(at.into()).await,
+            None => std::future::pending().await,
+        }
+    });
+    stream::unfold(
+        (frames, stream, expiry, false),
+        move |(mut frames, mut stream, mut expiry, ended)| {
+            let drain = drain.clone();
+            async move {
+                if ended {
+                    return None;
+                }
+                let item = tokio::select! {
+                    item = frames.next() => item?,
+                    () = &mut expiry => {
+                        stream.ending(StreamEnd::DeadlineExceeded);
+                        Err(Status::deadline_exceeded(
+                            "the stream reached the deadline its client gave (grpc-timeout)",
+                        ))
+                    }
+                };
+                if item.is_err() {
+                    stream.ending(if drain.token().is_cancelled() {
+                        StreamEnd::Drain
+                    } else {
+                        StreamEnd::Error
+                    });
+                }
+                let ended = item.is_err();
+                Some((item, (frames, stream, expiry, ended)))
+            }
+        },
+    )
 }
 
 /// Ends a stream after its first error (tonic stops there too; this makes it explicit).
@@ -603,5 +678,59 @@ fn native_messages(
                 shared,
             })
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn deadline(value: &str) -> Result<Option<Duration>, Status> {
+        let mut metadata = tonic::metadata::MetadataMap::new();
+        metadata.insert("grpc-timeout", value.parse().unwrap());
+        let before = Instant::now();
+        deadline_of(&metadata).map(|at| at.map(|at| at - before))
+    }
+
+    #[test]
+    fn grpc_timeouts_are_read_in_each_unit_and_refused_when_malformed() {
+        let near = |value, want: Duration| {
+            let got = deadline(value).unwrap().unwrap();
+            assert!(
+                got >= want && got - want < Duration::from_millis(100),
+                "{value}: {got:?}"
+            );
+        };
+        near("1H", Duration::from_secs(3600));
+        near("2M", Duration::from_secs(120));
+        near("600S", Duration::from_secs(600));
+        near("99999999m", Duration::from_millis(99_999_999));
+        near("500u", Duration::from_micros(500));
+        near("7n", Duration::from_nanos(7));
+        assert_eq!(
+            deadline_of(&tonic::metadata::MetadataMap::new()).unwrap(),
+            None
+        );
+        for bad in [
+            "",
+            "S",
+            "10",
+            "123456789S",
+            "10s",
+            "-1S",
+            "1.5S",
+            "10 S",
+            "ten",
+        ] {
+            let status = deadline(bad).unwrap_err();
+            assert_eq!(status.code(), tonic::Code::InvalidArgument, "{bad:?}");
+            assert!(status.message().starts_with("grpc-timeout"), "{status:?}");
+        }
+        let long = deadline(&"9".repeat(4000)).unwrap_err();
+        assert!(
+            long.message().len() < 200,
+            "bounded: {}",
+            long.message().len()
+        );
     }
 }

@@ -57,7 +57,8 @@ pub use grpc::{
 pub use logs::LogFormat;
 pub use process::ProcessMetrics;
 pub use subscriptions::{
-    FirstMessageLabels, Protocol, SubscriberLabels, SubscriptionMetrics, Watch,
+    FirstMessageLabels, OTHER_SELECTORS, Protocol, SELECTOR_SERIES, StreamEnd, SubscriberLabels,
+    SubscriptionMetrics, SyncStream, Watch,
 };
 pub use traces::{TelemetryGuard, continue_trace, otel_enabled};
 pub use watch::{ErrorLabels, ResourceLabels, StopLabels, StopReason, WatchMetrics};

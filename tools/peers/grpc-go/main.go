@@ -11,6 +11,13 @@
 // line per stream end ({"ended": code}) and runs until stdin closes. MIN_RESOLUTION_MS is the
 // DNS resolver's minimum time between resolutions (0: grpc-go's default, 30 s). With HOLD_MS,
 // each stream is cancelled after that long (and opened again), so new streams keep coming.
+//
+// Three variables make it the Go flagd provider's connection instead:
+//   - GRPC_GO_METHOD: the full method the streams call (default the broker's Subscribe), such
+//     as /flagd.sync.v1.FlagSyncService/SyncFlags;
+//   - GRPC_GO_KEEPALIVE_MS: client keepalive pings that often, on idle connections too
+//     (PermitWithoutStream), as the Go provider pings every 30 s;
+//   - GRPC_GO_SAY_MESSAGES=1: one JSON line per message ({"message": bytes}).
 package main
 
 import (
@@ -27,13 +34,16 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/connectivity"
 	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/keepalive"
 	"google.golang.org/grpc/mem"
 	"google.golang.org/grpc/resolver/dns"
 	"google.golang.org/grpc/status"
 	_ "google.golang.org/grpc/xds"
 )
 
-const method = "/crdbroker.v1.Broker/Subscribe"
+var method = "/crdbroker.v1.Broker/Subscribe"
+
+var sayMessages = os.Getenv("GRPC_GO_SAY_MESSAGES") == "1"
 
 // raw passes messages through as the bytes they are: the client needs no generated code.
 type raw struct{}
@@ -78,6 +88,9 @@ func follow(conn *grpc.ClientConn, request []byte, hold time.Duration) {
 		for err == nil {
 			var message []byte
 			err = stream.RecvMsg(&message)
+			if err == nil && sayMessages {
+				say(map[string]int{"message": len(message)})
+			}
 		}
 		if err != io.EOF {
 			code = status.Code(err).String()
@@ -115,9 +128,26 @@ func main() {
 	if minResolution > 0 {
 		dns.SetMinResolutionInterval(time.Duration(minResolution) * time.Millisecond)
 	}
-	conn, err := grpc.NewClient(target,
+	if m := os.Getenv("GRPC_GO_METHOD"); m != "" {
+		method = m
+	}
+	options := []grpc.DialOption{
 		grpc.WithTransportCredentials(insecure.NewCredentials()),
-		grpc.WithDefaultServiceConfig(`{"loadBalancingConfig": [{"round_robin": {}}]}`))
+		grpc.WithDefaultServiceConfig(`{"loadBalancingConfig": [{"round_robin": {}}]}`),
+	}
+	if ms := os.Getenv("GRPC_GO_KEEPALIVE_MS"); ms != "" {
+		every, err := strconv.Atoi(ms)
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "GRPC_GO_KEEPALIVE_MS:", err)
+			os.Exit(2)
+		}
+		options = append(options, grpc.WithKeepaliveParams(keepalive.ClientParameters{
+			Time:                time.Duration(every) * time.Millisecond,
+			Timeout:             20 * time.Second,
+			PermitWithoutStream: true,
+		}))
+	}
+	conn, err := grpc.NewClient(target, options...)
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		os.Exit(1)
