@@ -11,8 +11,8 @@
 //! The operator's flagd sidecar is the real flagd daemon (`scripts/peers`), started with the
 //! arguments the operator's webhook gives it (v0.9.2, `internal/common/flagdinjector`); a client
 //! of ours that sends what its `grpc` sync sends checks both address families. The in-process
-//! provider is the real Python one. The operator's manager itself cannot be built here (its api
-//! module is not served; ADR 0022).
+//! provider is the real Python one. The operator's manager itself, deploying the broker and
+//! injecting the sidecar, runs in `operator_manager.rs`.
 
 mod support;
 

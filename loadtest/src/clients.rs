@@ -29,12 +29,17 @@ pub fn number_after(text: &[u8], key: &str) -> Option<u64> {
     let at = text
         .windows(needle.len())
         .position(|w| w == needle.as_bytes())?;
-    let digits: String = text[at + needle.len()..]
+    let token: String = text[at + needle.len()..]
         .iter()
-        .take_while(|b| b.is_ascii_digit())
+        .take_while(|b| b.is_ascii_digit() || matches!(b, b'.' | b'e' | b'E' | b'+' | b'-'))
         .map(|b| *b as char)
         .collect();
-    digits.parse().ok()
+    // A server that decodes the configuration into floats writes large numbers in exponent
+    // form (flagd-proxy: `1.796452568854465e+18`); their last digits are lost, not their size.
+    token.parse().ok().or_else(|| {
+        let f: f64 = token.parse().ok()?;
+        (f.is_finite() && f >= 0.0).then_some(f as u64)
+    })
 }
 
 /// What the subscribers saw.
@@ -53,6 +58,8 @@ pub struct Recorder {
     pub last_rv: Vec<std::sync::Mutex<String>>,
     /// Streams that ended with an error.
     pub errors: AtomicU64,
+    /// The first of those errors, for the report of a run that fails on them.
+    pub first_error: std::sync::Mutex<Option<String>>,
     /// Times a subscriber started over after an error (the direct sidecars, which retry as
     /// client-go's reflector does).
     pub retries: AtomicU64,
@@ -71,6 +78,7 @@ impl Recorder {
                 .map(|_| std::sync::Mutex::new(String::new()))
                 .collect(),
             errors: AtomicU64::new(0),
+            first_error: std::sync::Mutex::new(None),
             retries: AtomicU64::new(0),
         })
     }
@@ -106,6 +114,23 @@ impl Recorder {
         if let Ok(mut rv) = self.last_rv[slot].lock() {
             *rv = resource_version;
         }
+    }
+
+    /// A stream ended with `status`: counted, and kept if it is the first.
+    pub fn failed(&self, status: &tonic::Status) {
+        self.errors.fetch_add(1, Ordering::Relaxed);
+        if let Ok(mut first) = self.first_error.lock() {
+            first.get_or_insert_with(|| format!("{:?}: {}", status.code(), status.message()));
+        }
+    }
+
+    /// The first error, as text (empty without one).
+    pub fn first_error(&self) -> String {
+        self.first_error
+            .lock()
+            .ok()
+            .and_then(|e| e.clone())
+            .unwrap_or_default()
     }
 
     /// Per-update completion times (updates that reached nobody are left out).
@@ -208,9 +233,9 @@ pub async fn follow<M>(
     mut each: impl FnMut(Option<Duration>, M),
 ) {
     let started = Instant::now();
-    let Ok(response) = opened.await else {
-        recorder.errors.fetch_add(1, Ordering::Relaxed);
-        return;
+    let response = match opened.await {
+        Ok(response) => response,
+        Err(status) => return recorder.failed(&status),
     };
     let mut stream = response.into_inner();
     let mut first = true;
@@ -224,10 +249,8 @@ pub async fn follow<M>(
                 let elapsed = std::mem::take(&mut first).then(|| started.elapsed());
                 each(elapsed, m);
             }
-            Ok(None) | Err(_) => {
-                recorder.errors.fetch_add(1, Ordering::Relaxed);
-                return;
-            }
+            Ok(None) => return recorder.failed(&tonic::Status::unknown("the stream ended")),
+            Err(status) => return recorder.failed(&status),
         }
     }
 }
@@ -323,4 +346,20 @@ pub async fn open(
         _body: body,
         _conn: conn,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::number_after;
+
+    #[test]
+    fn numbers_are_read_as_integers_or_in_exponent_form() {
+        let text = br#"{"seq":81,"sentAt":1.796452568854465e+18,"other":"x"}"#;
+        assert_eq!(number_after(text, "seq"), Some(81));
+        let sent = number_after(text, "sentAt").unwrap();
+        assert!(sent.abs_diff(1_796_452_568_854_465_000) < 1_000, "{sent}");
+        assert_eq!(number_after(br#"{"seq":"7"}"#, "seq"), None);
+        assert_eq!(number_after(br#"{"seq":-1}"#, "seq"), None);
+        assert_eq!(number_after(br#"{}"#, "seq"), None);
+    }
 }

@@ -93,7 +93,9 @@ pub(crate) async fn serve(
             }
             t
         }
-        Kind::Flagd => anyhow::bail!("flagd runs on a real control plane (scenario peers)"),
+        Kind::Flagd | Kind::FlagdProxy => {
+            anyhow::bail!("flagd and flagd-proxy run on a real control plane (scenario peers)")
+        }
     };
     Ok((fake, dir, target))
 }

@@ -144,10 +144,21 @@ pub struct Run {
     /// CRs they follow in the peers scenario (stream `i` follows CR `i % M`).
     #[arg(long, default_value_t = 100)]
     pub peers_crs: usize,
-    /// Servers of the peers scenario: `flagd` (the flagd daemon relaying a Kubernetes source
-    /// per CR through its sync server) and `crd-broker`.
-    #[arg(long, value_delimiter = ',', default_value = "flagd,crd-broker")]
+    /// Servers of the peers scenario: `flagd-proxy` (stock, built from its sources by
+    /// `scripts/peers`), `flagd` (the flagd daemon relaying a Kubernetes source per CR through
+    /// its sync server) and `crd-broker`.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "flagd-proxy,flagd,crd-broker"
+    )]
     pub peers_servers: Vec<String>,
+    /// Opens the first stream of every CR at once in the peers scenario, instead of one CR
+    /// after the other (each once the one before has its first configuration). Stock
+    /// flagd-proxy v0.9.7 crashes on it (`fatal error: concurrent map read and map write`: its
+    /// informers register their types in one scheme at once).
+    #[arg(long)]
+    pub peers_cold_together: bool,
     /// How long the streams sit idle in the peers scenario before memory is read.
     #[arg(long, default_value = "20s", value_parser = humantime::parse_duration)]
     pub peers_idle: Duration,

@@ -40,6 +40,8 @@ pub enum Kind {
     Bare,
     /// The flagd daemon, relaying through its own sync server.
     Flagd,
+    /// Stock flagd-proxy.
+    FlagdProxy,
 }
 
 /// A running server.
@@ -275,6 +277,36 @@ impl Target {
         Ok(target)
     }
 
+    /// Stock flagd-proxy (built from its sources by `scripts/peers`), reading FeatureFlags
+    /// through `kubeconfig`, logging to `log`.
+    pub async fn flagd_proxy(kubeconfig: &Path, log: Log) -> anyhow::Result<Target> {
+        let bin = tokio::task::spawn_blocking(|| control_plane::peer("flagd-proxy")).await?;
+        let [port, management] = [control_plane::free_port(), control_plane::free_port()];
+        let grpc: SocketAddr = ([127, 0, 0, 1], port).into();
+        let child = Command::new(&bin)
+            .args(["start", "--port", &port.to_string()])
+            .args(["--management-port", &management.to_string()])
+            .env_clear()
+            .env("KUBECONFIG", kubeconfig)
+            .env("HOME", kubeconfig.parent().unwrap_or(Path::new("/")))
+            .stdin(Stdio::null())
+            .stdout(log.stdio()?)
+            .stderr(log.stdio()?)
+            .kill_on_drop(true)
+            .leashed()
+            .spawn()
+            .with_context(|| format!("starting {}", bin.display()))?;
+        let mut target = Target {
+            kind: Kind::FlagdProxy,
+            grpc,
+            admin: None,
+            child,
+            stdin: None,
+        };
+        target.wait_listening(grpc).await?;
+        Ok(target)
+    }
+
     /// Waits until this process listens on `addr`. A free port is only free when it was
     /// looked at: another process (a second harness, in parallel tests) may take it first, and
     /// then whoever answers there is not this server. So the listening socket must be one of
@@ -301,6 +333,11 @@ impl Target {
     /// Its process id.
     pub fn pid(&self) -> u32 {
         self.child.id().unwrap_or(0)
+    }
+
+    /// How it ended, if it has.
+    pub fn exited(&mut self) -> Option<std::process::ExitStatus> {
+        self.child.try_wait().ok().flatten()
     }
 
     /// Its resident memory.

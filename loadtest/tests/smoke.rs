@@ -302,7 +302,7 @@ fn the_apiserver_cost_smoke_measures_every_mode_on_a_real_api_server() {
 }
 
 #[test]
-fn the_peers_smoke_runs_flagd_and_the_broker_side_by_side_on_a_real_api_server() {
+fn the_peers_smoke_runs_flagd_proxy_flagd_and_the_broker_side_by_side_on_a_real_api_server() {
     let out = std::env::temp_dir().join(format!("crd-broker-peers-smoke-{}", std::process::id()));
     let status = harness(&["--scenario", "peers", "--smoke"], &out);
     assert!(status.success());
@@ -315,6 +315,8 @@ fn the_peers_smoke_runs_flagd_and_the_broker_side_by_side_on_a_real_api_server()
             .unwrap_or_else(|| panic!("a {server} row: {rows:?}"))
     };
     // The smoke run: 200 streams on 10 CRs, through each server in turn.
+    let servers: Vec<&str> = rows.iter().map(|r| r["server"].as_str().unwrap()).collect();
+    assert_eq!(servers, ["flagd-proxy", "flagd", "crd-broker"]);
     for r in rows {
         assert_eq!(r["streams"], 200, "{r}");
         assert_eq!(r["lost"], 0, "{r}");
@@ -327,13 +329,21 @@ fn the_peers_smoke_runs_flagd_and_the_broker_side_by_side_on_a_real_api_server()
         assert!(r["rss_idle_bytes"].as_u64().unwrap() > 0, "{r}");
         assert!(r["recreated_seconds"].as_f64().is_some(), "{r}");
     }
-    // The broker sends a deleted CR's streams a configuration without its flags; flagd keeps
-    // serving the flags it had.
+    // The broker sends a deleted CR's streams a configuration without its flags; flagd-proxy
+    // and flagd keep serving the flags they had.
     assert!(row("crd-broker")["deleted_seconds"].as_f64().is_some());
+    assert!(row("flagd-proxy")["deleted_seconds"].is_null());
     assert!(row("flagd")["deleted_seconds"].is_null());
     let summary = std::fs::read_to_string(out.join("summary.md")).unwrap();
-    assert!(summary.contains("| crd-broker ÷ flagd"), "{summary}");
-    assert!(summary.contains("| 200 streams |"), "{summary}");
+    assert!(
+        summary.contains("| crd-broker ÷ flagd-proxy (same run"),
+        "{summary}"
+    );
+    assert!(
+        summary.contains("| crd-broker ÷ flagd (same run"),
+        "{summary}"
+    );
+    assert_eq!(summary.matches("| 200 streams |").count(), 2, "{summary}");
     std::fs::remove_dir_all(&out).ok();
 }
 

@@ -65,6 +65,31 @@ impl Flagd {
         }
     }
 
+    /// flagd as `command` starts it (a wrapper of the binary at [`super::peer`]`("flagd")`,
+    /// say), its OFREP API at `ofrep` and its sync server at `sync`; its output logged in `dir`.
+    pub fn spawn(
+        mut command: tokio::process::Command,
+        ofrep: SocketAddr,
+        sync: SocketAddr,
+        dir: tempfile::TempDir,
+    ) -> Flagd {
+        let log = dir.path().join("flagd.log");
+        let child = command
+            .stdout(std::fs::File::create(&log).unwrap())
+            .stderr(std::fs::File::options().append(true).open(&log).unwrap())
+            .kill_on_drop(true)
+            .leashed()
+            .spawn()
+            .expect("flagd starts");
+        Flagd {
+            child,
+            ofrep,
+            sync,
+            log,
+            _dir: dir,
+        }
+    }
+
     /// The OFREP evaluation of `key` with an empty context: the HTTP status and the body.
     pub async fn evaluate(&self, key: &str) -> Option<(u16, Value)> {
         let path = format!("/ofrep/v1/evaluate/flags/{key}");

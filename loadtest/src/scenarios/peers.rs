@@ -1,15 +1,17 @@
-//! Scenario `peers`: crd-broker beside a real peer a user could run in its place, on one real
-//! control plane each, with the same CRs and the same flagd sync subscribers, one server after
-//! the other in one run.
+//! Scenario `peers`: crd-broker beside the real peers a user could run in its place, on one
+//! real control plane each, with the same CRs and the same flagd sync subscribers, one server
+//! after the other in one run.
 //!
-//! The peer the issue names, flagd-proxy, is served by no Go module proxy (ADR 0022). The peer
-//! here is the flagd daemon as a relay: `flagd start` with a Kubernetes source per CR — flagd's
-//! core Kubernetes sync, the code flagd-proxy runs for each selector it is asked for — and its
-//! own sync server taking the sidecars' `SyncFlags` streams. It watches every CR from its start
-//! where flagd-proxy would start a watch at a CR's first subscriber.
+//! The peers: stock flagd-proxy (built from its sources by `scripts/peers`, ADR 0022), which
+//! starts a namespace-wide informer at a selector's first subscriber, as the broker starts a
+//! watch at a CR's first; and the flagd daemon as a relay, `flagd start` with a Kubernetes
+//! source per CR (flagd's core Kubernetes sync, the code flagd-proxy runs for each selector)
+//! and its own sync server taking the sidecars' `SyncFlags` streams, which watches every CR
+//! from its start.
 //!
-//! Per row: the CRs; the server; the first subscriber of every CR (cold), then the rest (warm),
-//! each on a connection of its own as pods have; an idle period (memory per idle stream); one
+//! Per row: the CRs; the server; the first subscriber of every CR (cold, one CR after the other:
+//! stock flagd-proxy crashes when they come at once, `--peers-cold-together`), then the rest
+//! (warm), each on a connection of its own as pods have; an idle period (memory per idle stream); one
 //! write per second per CR (write → every subscriber, the API server's CPU); churn (subscribers
 //! opening and dropping while the writes go on); then one CR deleted and created again.
 
@@ -37,7 +39,7 @@ const NAMESPACE: &str = "default";
 /// One server at one number of streams.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Row {
-    /// `flagd` or `crd-broker`.
+    /// `flagd-proxy`, `flagd` or `crd-broker`.
     pub server: String,
     /// flagd sync streams.
     pub streams: usize,
@@ -83,6 +85,9 @@ pub struct Row {
     pub deleted_seconds: Option<f64>,
     /// Seconds from creating it again until every stream of it had it.
     pub recreated_seconds: Option<f64>,
+    /// How the server ended, if it ended before the row did, and its log there.
+    #[serde(default)]
+    pub exited: Option<String>,
 }
 
 /// Every row.
@@ -192,7 +197,7 @@ async fn row(run: &Run, server: &str, n: usize) -> anyhow::Result<Row> {
         .kubeconfig_for(NAMESPACE, "broker", dir.path(), &plane.server)
         .await;
     let requests_before = api_requests(&plane).await;
-    let target = match server {
+    let mut target = match server {
         "flagd" => {
             let sources: Vec<_> = (0..crs)
                 .map(|k| json!({ "uri": format!("{NAMESPACE}/{}", name(k)), "provider": "kubernetes" }))
@@ -210,6 +215,16 @@ async fn row(run: &Run, server: &str, n: usize) -> anyhow::Result<Row> {
                 format!("flagd's log ends: {}", tail.join(" | "))
             })?
         }
+        "flagd-proxy" => {
+            let log = dir.path().join("flagd-proxy.log");
+            Target::flagd_proxy(&kubeconfig, Log::File(std::fs::File::create(&log)?))
+                .await
+                .with_context(|| {
+                    let text = std::fs::read_to_string(&log).unwrap_or_default();
+                    let tail: Vec<&str> = text.lines().rev().take(5).collect();
+                    format!("flagd-proxy's log ends: {}", tail.join(" | "))
+                })?
+        }
         "crd-broker" => {
             let bin = crate::target::broker_bin(run.broker_bin.clone())?;
             Target::broker_logging(
@@ -221,7 +236,7 @@ async fn row(run: &Run, server: &str, n: usize) -> anyhow::Result<Row> {
             )
             .await?
         }
-        other => anyhow::bail!("no server {other} (flagd, crd-broker)"),
+        other => anyhow::bail!("no server {other} (flagd-proxy, flagd, crd-broker)"),
     };
     // flagd lists and watches every source as it starts; give it the moment it takes.
     tokio::time::sleep(Duration::from_secs(2)).await;
@@ -236,7 +251,8 @@ async fn row(run: &Run, server: &str, n: usize) -> anyhow::Result<Row> {
     );
     let (trigger, stop) = tokio_util_like::signal();
     let started = Instant::now();
-    // One connection per stream, as each pod has its own: the first of every CR, then the rest.
+    // One connection per stream, as each pod has its own: the first of every CR, one CR after
+    // the other (or all at once), then the rest.
     let channels = clients::connections(target.grpc, n, run.sources).await?;
     let mut channels = channels.into_iter().enumerate();
     for (i, channel) in channels.by_ref().take(crs.min(n)) {
@@ -248,6 +264,12 @@ async fn row(run: &Run, server: &str, n: usize) -> anyhow::Result<Row> {
             recorder.clone(),
             stop.clone(),
         ));
+        if !run.peers_cold_together {
+            wait_until("the CR's first stream", Duration::from_secs(30), || {
+                cold.count() > i as u64 || recorder.errors.load(Ordering::Relaxed) > 0
+            })
+            .await?;
+        }
     }
     wait_until("every CR's first stream", Duration::from_secs(120), || {
         cold.summary().count >= crs.min(n) as u64 || recorder.errors.load(Ordering::Relaxed) > 0
@@ -274,8 +296,10 @@ async fn row(run: &Run, server: &str, n: usize) -> anyhow::Result<Row> {
     .await?;
     anyhow::ensure!(
         recorder.errors.load(Ordering::Relaxed) == 0,
-        "{} streams failed before their first configuration",
-        recorder.errors.load(Ordering::Relaxed)
+        "{} streams failed before their first configuration, the first with {}; the server's log ends: {}",
+        recorder.errors.load(Ordering::Relaxed),
+        recorder.first_error(),
+        log_tail(&dir, server)
     );
     let ready_seconds = started.elapsed().as_secs_f64();
     tokio::time::sleep(run.peers_idle).await;
@@ -414,6 +438,9 @@ async fn row(run: &Run, server: &str, n: usize) -> anyhow::Result<Row> {
 
     trigger.stop();
     let errors = recorder.errors.load(Ordering::Relaxed);
+    let exited = target
+        .exited()
+        .map(|status| format!("{status}; its log: {}", log_tail(&dir, server)));
     target.stop().await;
     tokio::task::spawn_blocking(move || drop(plane)).await?;
     Ok(Row {
@@ -439,6 +466,7 @@ async fn row(run: &Run, server: &str, n: usize) -> anyhow::Result<Row> {
         churn_lost,
         deleted_seconds,
         recreated_seconds,
+        exited,
     })
 }
 
@@ -475,6 +503,19 @@ async fn write_for(
     Ok(())
 }
 
+/// A peer's log in `dir`, shortened: from its first `fatal error` or `panic` line (a Go crash)
+/// the next 12 lines, else its last 8 (the broker logs to the harness's own stderr).
+fn log_tail(dir: &tempfile_like::Dir, server: &str) -> String {
+    let text =
+        std::fs::read_to_string(dir.path().join(format!("{server}.log"))).unwrap_or_default();
+    let lines: Vec<&str> = text.lines().collect();
+    let from = lines
+        .iter()
+        .position(|l| l.starts_with("fatal error") || l.starts_with("panic"))
+        .unwrap_or(lines.len().saturating_sub(8));
+    lines[from..(from + 12).min(lines.len())].join(" | ")
+}
+
 fn mib(bytes: u64) -> f64 {
     bytes as f64 / (1024.0 * 1024.0)
 }
@@ -491,9 +532,14 @@ fn seconds(s: Option<f64>) -> String {
     )
 }
 
-/// crd-broker ÷ flagd at one number of streams: below 1, the broker is ahead.
+/// The peers the broker is compared with, in the order their ratios are shown.
+pub const PEERS: [&str; 2] = ["flagd-proxy", "flagd"];
+
+/// crd-broker ÷ a peer at one number of streams: below 1, the broker is ahead.
 #[derive(Debug, Clone, Serialize)]
 pub struct Ratio {
+    /// The peer: `flagd-proxy` or `flagd`.
+    pub peer: String,
     /// Streams.
     pub streams: usize,
     /// Write → every stream, p50 and p99.
@@ -509,21 +555,24 @@ pub struct Ratio {
     pub api_requests: f64,
     /// The API server's CPU under the writes.
     pub api_cpu: f64,
+    /// The server's own CPU under the writes.
+    pub server_cpu: f64,
     /// First message of a churning stream, p99.
     pub churn_first_p99: f64,
 }
 
-/// crd-broker ÷ flagd at every number of streams the rows have both for.
-pub fn ratios(p: &Peers) -> Vec<Ratio> {
+/// crd-broker ÷ `peer` at every number of streams the rows have both for.
+pub fn ratios(p: &Peers, peer: &str) -> Vec<Ratio> {
     let q = |a: f64, b: f64| if b > 0.0 { a / b } else { f64::NAN };
     let mut out = Vec::new();
-    for f in p.rows.iter().filter(|r| r.server == "flagd") {
+    for f in p.rows.iter().filter(|r| r.server == peer) {
         for b in p
             .rows
             .iter()
             .filter(|r| r.server == "crd-broker" && r.streams == f.streams)
         {
             out.push(Ratio {
+                peer: peer.to_string(),
                 streams: f.streams,
                 write_p50: q(b.write_to_all.p50_ms, f.write_to_all.p50_ms),
                 write_p99: q(b.write_to_all.p99_ms, f.write_to_all.p99_ms),
@@ -533,6 +582,7 @@ pub fn ratios(p: &Peers) -> Vec<Ratio> {
                 api_watches: q(b.api_watches, f.api_watches),
                 api_requests: q(b.api_requests, f.api_requests),
                 api_cpu: q(b.api_cpu_writes_cores, f.api_cpu_writes_cores),
+                server_cpu: q(b.server_cpu_writes_cores, f.server_cpu_writes_cores),
                 churn_first_p99: q(b.churn_first.p99_ms, f.churn_first.p99_ms),
             });
         }
@@ -540,10 +590,38 @@ pub fn ratios(p: &Peers) -> Vec<Ratio> {
     out
 }
 
-/// The markdown section: every row, then crd-broker ÷ flagd at each number of streams.
+/// The ratio table against `peer`, header first; empty without rows for both.
+pub fn ratio_table(p: &Peers, peer: &str) -> String {
+    let ratios = ratios(p, peer);
+    if ratios.is_empty() {
+        return String::new();
+    }
+    let mut s = format!(
+        "| crd-broker ÷ {peer} (same run; below 1: the broker is ahead) | write → every stream p50 | p99 | first message cold p50 | warm p50 | memory per idle stream | API watches | API requests | API CPU under writes | server CPU under writes | churn first message p99 |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
+    );
+    for r in ratios {
+        s += &format!(
+            "| {} streams | {:.2}× | {:.2}× | {:.2}× | {:.2}× | {:.2}× | {:.2}× | {:.2}× | {:.2}× | {:.2}× | {:.2}× |\n",
+            r.streams,
+            r.write_p50,
+            r.write_p99,
+            r.first_cold_p50,
+            r.first_warm_p50,
+            r.memory_per_stream,
+            r.api_watches,
+            r.api_requests,
+            r.api_cpu,
+            r.server_cpu,
+            r.churn_first_p99
+        );
+    }
+    s
+}
+
+/// The markdown section: every row, then crd-broker ÷ each peer at each number of streams.
 pub fn markdown(p: &Peers) -> String {
     let mut s = format!(
-        "### Beside a real peer: the flagd daemon as a relay (a real kube-apiserver)\n\nEach row on a control plane of its own, one connection per stream; idle {:.0} s, one write per second per CR for {:.0} s, then {:.0} s of churn with the writes going on, then a CR deleted and created again. `flagd`: flagd v0.16.0 with a Kubernetes source per CR, its sync server taking the streams (flagd-proxy itself cannot be built here, ADR 0022).\n\n| server | streams | CRs | first message cold / warm p50 | memory per idle stream | API watches | API requests | API CPU under writes | server CPU under writes | write → every stream p50 / p99 | lost | churn: streams, first p99, failed, lost | deleted CR seen / re-created seen |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+        "### Beside the real peers: stock flagd-proxy, and the flagd daemon as a relay (a real kube-apiserver)\n\nEach row on a control plane of its own, one connection per stream; idle {:.0} s, one write per second per CR for {:.0} s, then {:.0} s of churn with the writes going on, then a CR deleted and created again. `flagd-proxy`: stock flagd-proxy v0.9.7, built from its sources. `flagd`: flagd v0.16.0 with a Kubernetes source per CR, its sync server taking the streams.\n\n| server | streams | CRs | first message cold / warm p50 | memory per idle stream | API watches | API requests | API CPU under writes | server CPU under writes | write → every stream p50 / p99 | lost | churn: streams, first p99, failed, lost | deleted CR seen / re-created seen |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
         p.idle_seconds, p.write_seconds, p.churn_seconds
     );
     for r in &p.rows {
@@ -572,23 +650,19 @@ pub fn markdown(p: &Peers) -> String {
             seconds(r.recreated_seconds),
         );
     }
-    let ratios = ratios(p);
-    if !ratios.is_empty() {
-        s += "\n| crd-broker ÷ flagd (same run; below 1: the broker is ahead) | write → every stream p50 | p99 | first message cold p50 | warm p50 | memory per idle stream | API watches | API requests | API CPU under writes | churn first message p99 |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
-        for r in ratios {
-            s += &format!(
-                "| {} streams | {:.2}× | {:.2}× | {:.2}× | {:.2}× | {:.2}× | {:.2}× | {:.2}× | {:.2}× | {:.2}× |\n",
-                r.streams,
-                r.write_p50,
-                r.write_p99,
-                r.first_cold_p50,
-                r.first_warm_p50,
-                r.memory_per_stream,
-                r.api_watches,
-                r.api_requests,
-                r.api_cpu,
-                r.churn_first_p99
-            );
+    for r in p.rows.iter().filter(|r| r.exited.is_some()) {
+        s += &format!(
+            "\n{} at {} streams ended before its row did: {}\n",
+            r.server,
+            r.streams,
+            r.exited.as_deref().unwrap_or_default().replace('|', "/")
+        );
+    }
+    for peer in PEERS {
+        let table = ratio_table(p, peer);
+        if !table.is_empty() {
+            s += "\n";
+            s += &table;
         }
     }
     s + "\n"
@@ -614,20 +688,30 @@ mod tests {
     fn the_documented_runs_are_the_tables_in_performance_md() {
         let doc = include_str!("../../../docs/performance.md");
         for run in documented() {
-            let ratios = ratios(&run);
+            let servers: Vec<&str> = run.rows.iter().map(|r| r.server.as_str()).collect();
             assert_eq!(
-                ratios.iter().map(|r| r.streams).collect::<Vec<_>>(),
-                [1_000, 10_000]
+                servers,
+                [
+                    "flagd-proxy",
+                    "flagd",
+                    "crd-broker",
+                    "flagd-proxy",
+                    "flagd",
+                    "crd-broker"
+                ]
             );
-            for r in &ratios {
-                // One watch per CR through either.
-                assert_eq!(r.api_watches, 1.0);
+            for peer in PEERS {
+                let ratios = ratios(&run, peer);
+                assert_eq!(
+                    ratios.iter().map(|r| r.streams).collect::<Vec<_>>(),
+                    [1_000, 10_000]
+                );
+                for r in &ratios {
+                    // One watch per CR through each.
+                    assert_eq!(r.api_watches, 1.0, "{peer}");
+                }
             }
-            for line in markdown(&run).lines().filter(|l| {
-                l.starts_with("| flagd |")
-                    || l.starts_with("| crd-broker |")
-                    || l.ends_with("|") && l.contains(" streams |")
-            }) {
+            for line in markdown(&run).lines().filter(|l| l.starts_with("| ")) {
                 assert!(
                     doc.contains(line),
                     "docs/performance.md lacks the line the run renders:\n{line}"
@@ -637,19 +721,10 @@ mod tests {
     }
 
     #[test]
-    fn the_readme_and_the_migration_guide_show_the_second_runs_ratios() {
+    fn the_readme_and_the_migration_guide_show_the_second_runs_ratios_to_flagd_proxy() {
         let [_, second] = documented();
-        let rendered = markdown(&second);
-        // The ratio table: its header and its rows (`| 1000 streams | …`).
-        let lines: Vec<&str> = rendered
-            .lines()
-            .filter(|l| {
-                l.starts_with("| crd-broker ÷ flagd")
-                    || l.split(" | ")
-                        .next()
-                        .is_some_and(|c| c.ends_with(" streams"))
-            })
-            .collect();
+        let table = ratio_table(&second, "flagd-proxy");
+        let lines: Vec<&str> = table.lines().filter(|l| !l.starts_with("|---")).collect();
         assert_eq!(
             lines.len(),
             3,

@@ -16,7 +16,12 @@ pub struct Dns {
 impl Dns {
     /// Serves `name` (e.g. `broker.test`) with `ips` on 127.0.0.1 (UDP).
     pub async fn start(name: &str, ips: &[Ipv4Addr]) -> Dns {
-        let socket = tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap();
+        Self::start_on(([127, 0, 0, 1], 0).into(), name, ips).await
+    }
+
+    /// As [`Dns::start`], on `at` (port 53 for a `resolv.conf`, which names no port).
+    pub async fn start_on(at: SocketAddr, name: &str, ips: &[Ipv4Addr]) -> Dns {
+        let socket = tokio::net::UdpSocket::bind(at).await.unwrap();
         let addr = socket.local_addr().unwrap();
         let answers = Arc::new(Mutex::new(ips.to_vec()));
         let served = answers.clone();
