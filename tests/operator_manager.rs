@@ -360,26 +360,17 @@ impl Server {
     }
 }
 
-/// One route, on a control plane of its own: the manager deploys `server`, the test runs it as
-/// its container, the webhook injects the sidecar into a pod, and the sidecar's flagd
-/// evaluates the FeatureFlag through it and sees an edit. Each step's time, printed.
-async fn route(server: Server) {
-    let plane = control_plane::start("127.0.0.1");
-    let admin = plane.admin().await;
-    let started = Instant::now();
-    let step = |what: &str| {
-        eprintln!(
-            "{server:?}: {what} at {:.2} s",
-            started.elapsed().as_secs_f64()
-        )
-    };
-    install(&plane).await;
-    let manager = Manager::start(&plane, server.image()).await;
-    step("the manager is ready");
+/// The sidecar's own ports, moved off the server's by the FeatureFlagSource.
+struct SidecarPorts {
+    port: u16,
+    management: u16,
+    ofrep: u16,
+    sync: u16,
+}
 
-    // The FeatureFlag, and a FeatureFlagSource naming it with provider flagd-proxy.
-    let sidecar_ports = [free_port(), free_port(), free_port(), free_port()];
-    let [port, management, ofrep, sync] = sidecar_ports;
+/// The FeatureFlag `app/demo`, and the FeatureFlagSource `app/flag-source` naming it with
+/// `provider: flagd-proxy`.
+async fn flag_and_source(plane: &control_plane::ControlPlane, ports: &SidecarPorts) {
     plane
         .apply(&[
             json!({
@@ -394,20 +385,26 @@ async fn route(server: Server) {
                 "metadata": { "name": "flag-source", "namespace": APP_NS },
                 "spec": {
                     "sources": [{ "source": format!("{APP_NS}/demo"), "provider": "flagd-proxy" }],
-                    "port": port, "managementPort": management, "ofrepPort": ofrep,
-                    "envVars": [{ "name": "SYNC_PORT", "value": sync.to_string() }],
+                    "port": ports.port, "managementPort": ports.management, "ofrepPort": ports.ofrep,
+                    "envVars": [{ "name": "SYNC_PORT", "value": ports.sync.to_string() }],
                 },
             }),
         ])
         .await;
+}
 
-    // What the manager made, read back.
+/// The flagd-proxy Deployment the manager made, read back with its Service and the binding
+/// that gives its ServiceAccount its rights: the Deployment, and its container's args and env.
+async fn deployed(
+    plane: &control_plane::ControlPlane,
+    server: Server,
+) -> (Value, Vec<String>, Vec<(String, String)>) {
+    let admin = plane.admin().await;
     let deployments: Api<Deployment> = Api::namespaced(admin.clone(), OPERATOR_NS);
     let deployment = until("the flagd-proxy Deployment", WAIT * 3, async || {
         deployments.get_opt("flagd-proxy").await.unwrap()
     })
     .await;
-    step("the Operator created the flagd-proxy Deployment");
     let deployment = serde_json::to_value(&deployment).unwrap();
     let pod_spec = &deployment["spec"]["template"]["spec"];
     assert_eq!(
@@ -435,7 +432,7 @@ async fn route(server: Server) {
     );
     let (args, env) = args_and_env(container);
     eprintln!("{server:?}: the container: args {args:?}, env {env:?}, ports {ports:?}");
-    let services: Api<Service> = Api::namespaced(admin.clone(), OPERATOR_NS);
+    let services: Api<Service> = Api::namespaced(admin, OPERATOR_NS);
     let service = until("the flagd-proxy-svc Service", WAIT, async || {
         services.get_opt("flagd-proxy-svc").await.unwrap()
     })
@@ -458,8 +455,16 @@ async fn route(server: Server) {
                 && s["namespace"] == OPERATOR_NS),
         "{binding}"
     );
+    (deployment, args, env)
+}
 
-    // The kubelet's part: the container, as its ServiceAccount; ready once /readyz answers.
+/// The kubelet's part for the Deployment: its container's process, as its ServiceAccount,
+/// running until dropped; the Deployment's status set ready once `/readyz` answers.
+async fn run_deployment(
+    plane: &control_plane::ControlPlane,
+    server: Server,
+    (deployment, args, env): (Value, Vec<String>, Vec<(String, String)>),
+) -> (tokio::process::Child, tempfile::TempDir) {
     let pod_dir = tempfile::tempdir().unwrap();
     let secrets = pod_dir.path().join("serviceaccount");
     std::fs::create_dir(&secrets).unwrap();
@@ -471,7 +476,7 @@ async fn route(server: Server) {
     std::fs::write(secrets.join("namespace"), OPERATOR_NS).unwrap();
     let api: SocketAddr = plane.server.trim_start_matches("https://").parse().unwrap();
     let log = pod_dir.path().join("server.log");
-    let _server = in_pod(&server.binary(), &args, &env, &secrets, api)
+    let child = in_pod(&server.binary(), &args, &env, &secrets, api)
         .stdout(std::fs::File::create(&log).unwrap())
         .stderr(std::fs::File::options().append(true).open(&log).unwrap())
         .kill_on_drop(true)
@@ -485,7 +490,7 @@ async fn route(server: Server) {
         async || matches!(try_http_get(readyz, "/readyz").await, Ok((200, _))).then_some(()),
     )
     .await;
-    step("the server answers /readyz as its ServiceAccount");
+    let deployments: Api<Deployment> = Api::namespaced(plane.admin().await, OPERATOR_NS);
     let generation = deployment["metadata"]["generation"].as_i64().unwrap();
     deployments
         .patch_status(
@@ -498,9 +503,14 @@ async fn route(server: Server) {
         )
         .await
         .unwrap();
+    (child, pod_dir)
+}
 
-    // A pod of the application: the webhook injects flagd (it defers the pod until the
-    // Deployment is ready in its cache).
+/// A pod of the application with the Operator's annotations, created once the webhook admits
+/// it (it defers the pod until the Deployment is ready in its cache): the flagd container it
+/// injected, as stored.
+async fn admitted_pod(plane: &control_plane::ControlPlane, manager: &Manager) -> Value {
+    let admin = plane.admin().await;
     let sources: Api<DynamicObject> =
         Api::namespaced_with(admin.clone(), APP_NS, &openfeature("FeatureFlagSource"));
     let source_uid = sources.get("flag-source").await.unwrap().metadata.uid;
@@ -519,7 +529,7 @@ async fn route(server: Server) {
         "spec": { "containers": [{ "name": "app", "image": "app:1" }] },
     }))
     .unwrap();
-    let pods: Api<Pod> = Api::namespaced(admin.clone(), APP_NS);
+    let pods: Api<Pod> = Api::namespaced(admin, APP_NS);
     let mut refusals = Vec::new();
     let stored = until("the pod admitted", WAIT * 3, async || {
         match pods.create(&PostParams::default(), &pod).await {
@@ -531,16 +541,11 @@ async fn route(server: Server) {
         }
     })
     .await;
-    step("the webhook admitted the pod");
-    if !refusals.is_empty() {
-        eprintln!(
-            "{server:?}: refused first ({}×): {}",
-            refusals.len(),
-            refusals[0]
-        );
+    if let Some(first) = refusals.first() {
+        eprintln!("refused {} times first: {first}", refusals.len());
     }
     let stored = serde_json::to_value(&stored).unwrap();
-    let sidecar = stored["spec"]["initContainers"]
+    stored["spec"]["initContainers"]
         .as_array()
         .into_iter()
         .chain(stored["spec"]["containers"].as_array())
@@ -552,7 +557,37 @@ async fn route(server: Server) {
                 manager.log_tail()
             )
         })
-        .clone();
+        .clone()
+}
+
+/// One route, on a control plane of its own: the manager deploys `server`, the test runs it as
+/// its container, the webhook injects the sidecar into a pod, and the sidecar's flagd
+/// evaluates the FeatureFlag through it and sees an edit. Each step's time, printed.
+async fn route(server: Server) {
+    let plane = control_plane::start("127.0.0.1");
+    let started = Instant::now();
+    let step = |what: &str| {
+        eprintln!(
+            "{server:?}: {what} at {:.2} s",
+            started.elapsed().as_secs_f64()
+        )
+    };
+    install(&plane).await;
+    let manager = Manager::start(&plane, server.image()).await;
+    step("the manager is ready");
+    let ports = SidecarPorts {
+        port: free_port(),
+        management: free_port(),
+        ofrep: free_port(),
+        sync: free_port(),
+    };
+    flag_and_source(&plane, &ports).await;
+    let deployment = deployed(&plane, server).await;
+    step("the Operator created the flagd-proxy Deployment");
+    let _server = run_deployment(&plane, server, deployment).await;
+    step("the server answers /readyz as its ServiceAccount");
+    let sidecar = admitted_pod(&plane, &manager).await;
+    step("the webhook admitted the pod");
     let (args, env) = args_and_env(&sidecar);
     eprintln!("{server:?}: the sidecar: args {args:?}, env {env:?}");
     let source = format!("{PROXY_SERVICE}:8015");
@@ -563,14 +598,14 @@ async fn route(server: Server) {
     let command = with_dns(&peer("flagd"), &args, &env, sidecar_dir.path());
     let mut flagd = Flagd::spawn(
         command,
-        ([127, 0, 0, 1], ofrep).into(),
-        ([127, 0, 0, 1], sync).into(),
+        ([127, 0, 0, 1], ports.ofrep).into(),
+        ([127, 0, 0, 1], ports.sync).into(),
         sidecar_dir,
     );
     flagd.until("f", json!(true), Duration::from_secs(30)).await;
     step("the sidecar's flagd evaluates the FeatureFlag through the server");
     let flags: Api<DynamicObject> =
-        Api::namespaced_with(admin.clone(), APP_NS, &openfeature("FeatureFlag"));
+        Api::namespaced_with(plane.admin().await, APP_NS, &openfeature("FeatureFlag"));
     flags
         .patch(
             "demo",

@@ -20,9 +20,6 @@ use tonic::metadata::MetadataMap;
 use tonic::{Request, Response, Status};
 
 use super::frame::Encoded;
-
-/// A sync stream's messages, encoded.
-type Frames = BoxStream<'static, Result<Encoded, Status>>;
 use super::messages::{End, Messages, Next};
 use super::{Delivery, admit_one, drain_of, shutting_down, source_status};
 use crate::access::{Access, Caller};
@@ -31,6 +28,9 @@ use crate::registry::{Members, Registry, State, Wire};
 use crate::selector::{KindRef, Selector};
 use crate::source::{Set, Source};
 use crate::telemetry::SyncStream;
+
+/// A sync stream's messages, encoded.
+type Frames = BoxStream<'static, Result<Encoded, Status>>;
 
 /// The largest message the flagd clients accept (their gRPC receive limit).
 pub const MAX_MESSAGE: usize = 4 * 1024 * 1024;

@@ -202,28 +202,16 @@ async fn row(run: &Run, server: &str, n: usize) -> anyhow::Result<Row> {
             let sources: Vec<_> = (0..crs)
                 .map(|k| json!({ "uri": format!("{NAMESPACE}/{}", name(k)), "provider": "kubernetes" }))
                 .collect();
-            let log = dir.path().join("flagd.log");
-            Target::flagd(
-                &kubeconfig,
-                &json!(sources),
-                Log::File(std::fs::File::create(&log)?),
-            )
-            .await
-            .with_context(|| {
-                let text = std::fs::read_to_string(&log).unwrap_or_default();
-                let tail: Vec<&str> = text.lines().rev().take(5).collect();
-                format!("flagd's log ends: {}", tail.join(" | "))
-            })?
+            let log = Log::File(std::fs::File::create(dir.path().join("flagd.log"))?);
+            Target::flagd(&kubeconfig, &json!(sources), log)
+                .await
+                .with_context(|| format!("flagd's log: {}", log_tail(&dir, server)))?
         }
         "flagd-proxy" => {
-            let log = dir.path().join("flagd-proxy.log");
-            Target::flagd_proxy(&kubeconfig, Log::File(std::fs::File::create(&log)?))
+            let log = Log::File(std::fs::File::create(dir.path().join("flagd-proxy.log"))?);
+            Target::flagd_proxy(&kubeconfig, log)
                 .await
-                .with_context(|| {
-                    let text = std::fs::read_to_string(&log).unwrap_or_default();
-                    let tail: Vec<&str> = text.lines().rev().take(5).collect();
-                    format!("flagd-proxy's log ends: {}", tail.join(" | "))
-                })?
+                .with_context(|| format!("flagd-proxy's log: {}", log_tail(&dir, server)))?
         }
         "crd-broker" => {
             let bin = crate::target::broker_bin(run.broker_bin.clone())?;
