@@ -239,8 +239,8 @@ impl Target {
             control_plane::free_port(),
             control_plane::free_port(),
         ];
-        let grpc: SocketAddr = ([127, 0, 0, 1], sync).into();
-        let child = Command::new(&bin)
+        let mut command = Command::new(&bin);
+        command
             .args(["start", "--sources", &sources.to_string()])
             .args([
                 "--port",
@@ -254,27 +254,8 @@ impl Target {
                 "--sync-port",
                 &sync.to_string(),
             ])
-            .args(["--log-format", "json"])
-            .env_clear()
-            .env("KUBECONFIG", kubeconfig)
-            // flagd looks for a config file in $HOME: an empty one of its own.
-            .env("HOME", kubeconfig.parent().unwrap_or(Path::new("/")))
-            .stdin(Stdio::null())
-            .stdout(log.stdio()?)
-            .stderr(log.stdio()?)
-            .kill_on_drop(true)
-            .leashed()
-            .spawn()
-            .with_context(|| format!("starting {}", bin.display()))?;
-        let mut target = Target {
-            kind: Kind::Flagd,
-            grpc,
-            admin: None,
-            child,
-            stdin: None,
-        };
-        target.wait_listening(grpc).await?;
-        Ok(target)
+            .args(["--log-format", "json"]);
+        Self::peer(Kind::Flagd, command, kubeconfig, log, sync).await
     }
 
     /// Stock flagd-proxy (built from its sources by `scripts/peers`), reading FeatureFlags
@@ -282,10 +263,24 @@ impl Target {
     pub async fn flagd_proxy(kubeconfig: &Path, log: Log) -> anyhow::Result<Target> {
         let bin = tokio::task::spawn_blocking(|| control_plane::peer("flagd-proxy")).await?;
         let [port, management] = [control_plane::free_port(), control_plane::free_port()];
-        let grpc: SocketAddr = ([127, 0, 0, 1], port).into();
-        let child = Command::new(&bin)
+        let mut command = Command::new(&bin);
+        command
             .args(["start", "--port", &port.to_string()])
-            .args(["--management-port", &management.to_string()])
+            .args(["--management-port", &management.to_string()]);
+        Self::peer(Kind::FlagdProxy, command, kubeconfig, log, port).await
+    }
+
+    /// A peer of kind `kind` as `command` starts it, with only `KUBECONFIG` and a `HOME` (the
+    /// kubeconfig's folder: flagd looks for a config file there, and finds none), its output
+    /// to `log`, once it listens for gRPC on loopback port `grpc`.
+    async fn peer(
+        kind: Kind,
+        mut command: Command,
+        kubeconfig: &Path,
+        log: Log,
+        grpc: u16,
+    ) -> anyhow::Result<Target> {
+        let child = command
             .env_clear()
             .env("KUBECONFIG", kubeconfig)
             .env("HOME", kubeconfig.parent().unwrap_or(Path::new("/")))
@@ -295,9 +290,10 @@ impl Target {
             .kill_on_drop(true)
             .leashed()
             .spawn()
-            .with_context(|| format!("starting {}", bin.display()))?;
+            .with_context(|| format!("starting {kind:?}"))?;
+        let grpc: SocketAddr = ([127, 0, 0, 1], grpc).into();
         let mut target = Target {
-            kind: Kind::FlagdProxy,
+            kind,
             grpc,
             admin: None,
             child,

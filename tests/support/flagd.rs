@@ -32,7 +32,6 @@ impl Flagd {
     /// free loopback port.
     pub async fn start_with(args: &[&str]) -> Flagd {
         let dir = tempfile::tempdir().unwrap();
-        let log = dir.path().join("flagd.log");
         let mut args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
         let mut port = |flag: &str| -> u16 {
             match args.iter().position(|a| a == flag) {
@@ -46,23 +45,14 @@ impl Flagd {
         };
         let _ = (port("--port"), port("--management-port"));
         let (ofrep, sync) = (port("--ofrep-port"), port("--sync-port"));
-        let child = tokio::process::Command::new(super::peer("flagd"))
-            .args(&args)
-            .env_clear()
-            .env("HOME", dir.path())
-            .stdout(std::fs::File::create(&log).unwrap())
-            .stderr(std::fs::File::options().append(true).open(&log).unwrap())
-            .kill_on_drop(true)
-            .leashed()
-            .spawn()
-            .expect("flagd starts");
-        Flagd {
-            child,
-            ofrep: ([127, 0, 0, 1], ofrep).into(),
-            sync: ([127, 0, 0, 1], sync).into(),
-            log,
-            _dir: dir,
-        }
+        let mut command = tokio::process::Command::new(super::peer("flagd"));
+        command.args(&args).env_clear().env("HOME", dir.path());
+        Self::spawn(
+            command,
+            ([127, 0, 0, 1], ofrep).into(),
+            ([127, 0, 0, 1], sync).into(),
+            dir,
+        )
     }
 
     /// flagd as `command` starts it (a wrapper of the binary at [`super::peer`]`("flagd")`,
