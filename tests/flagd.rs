@@ -715,6 +715,144 @@ async fn a_set_selector_serves_the_merged_flags_of_its_feature_flags_in_name_ord
     assert_eq!(keys, ["v", "w", "y", "z"], "{every}");
 }
 
+/// A set's SyncFlags request asking for incremental updates (`value` of the header).
+fn incremental_request(set: &str, value: &str) -> tonic::Request<flagd::SyncFlagsRequest> {
+    let mut request = sync_request(Some(set), "");
+    request.metadata_mut().insert(
+        crd_broker::grpc::flagd::INCREMENTAL_HEADER,
+        value.parse().unwrap(),
+    );
+    request
+}
+
+#[tokio::test]
+async fn incremental_updates_send_only_the_feature_flag_that_changed_and_name_one_that_left() {
+    let h = start(Duration::ZERO).await;
+    h.fake
+        .apply(labelled_flags("a", "checkout", &["x"], "on"))
+        .unwrap();
+    let mut b = labelled_flags("b", "checkout", &["y", "z"], "off");
+    b["spec"]["flagSpec"]["metadata"] = json!({ "flagSetId": "team-b" });
+    h.fake.apply(b).unwrap();
+    let set = "core.openfeature.dev/default?labelSelector=app%3Dcheckout";
+    let mut client = flagd_client(&h).await;
+    let mut s = client
+        .sync_flags(incremental_request(set, "true"))
+        .await
+        .unwrap()
+        .into_inner();
+    // At once: every flag, each naming its flag set.
+    let first = config(&mut s).await;
+    let sets: Vec<&Value> = ["x", "y", "z"]
+        .iter()
+        .map(|k| &first["flags"][*k]["metadata"]["flagSetId"])
+        .collect();
+    assert_eq!(
+        sets,
+        [&json!("default/a"), &json!("team-b"), &json!("team-b")],
+        "{first}"
+    );
+
+    // An edit of b: b's flags alone.
+    h.fake
+        .merge_patch(
+            GV,
+            "featureflags",
+            "default",
+            "b",
+            json!({ "spec": { "flagSpec": { "flags": { "z": { "defaultVariant": "on" } } } } }),
+        )
+        .unwrap();
+    let edit = config(&mut s).await;
+    let keys: Vec<&String> = edit["flags"].as_object().unwrap().keys().collect();
+    assert_eq!(keys, ["y", "z"], "{edit}");
+    assert!(edit.get("metadata").is_none(), "{edit}");
+
+    // a leaves the set: no flags, naming its flag set.
+    h.fake
+        .merge_patch(
+            GV,
+            "featureflags",
+            "default",
+            "a",
+            json!({ "metadata": { "labels": { "app": "cart" } } }),
+        )
+        .unwrap();
+    assert_eq!(
+        config(&mut s).await,
+        json!({ "flags": {}, "metadata": { "flagSetId": "default/a" } })
+    );
+
+    // FetchAllFlags with the header: every flag set in one configuration, as a first message.
+    let mut fetch = tonic::Request::new(flagd::FetchAllFlagsRequest {
+        provider_id: String::new(),
+        selector: set.into(),
+    });
+    fetch.metadata_mut().insert(
+        crd_broker::grpc::flagd::INCREMENTAL_HEADER,
+        "true".parse().unwrap(),
+    );
+    let fetched: Value = serde_json::from_str(
+        &client
+            .fetch_all_flags(fetch)
+            .await
+            .unwrap()
+            .into_inner()
+            .flag_configuration,
+    )
+    .unwrap();
+    assert_eq!(
+        fetched["flags"]["y"]["metadata"]["flagSetId"], "team-b",
+        "{fetched}"
+    );
+
+    // A header that is not true or false, or asks it of one FeatureFlag or of sync.v1: refused,
+    // naming the header; the stream already open goes on.
+    for (selector, value) in [
+        (set, "yes"),
+        (set, &*"t".repeat(10_000)),
+        ("core.openfeature.dev/default/a", "true"),
+    ] {
+        let status = client
+            .sync_flags(incremental_request(selector, value))
+            .await
+            .unwrap_err();
+        assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
+        assert!(
+            status.message().contains("crd-broker-incremental-updates"),
+            "{status:?}"
+        );
+        assert!(
+            status.message().len() < 400,
+            "bounded: {}",
+            status.message().len()
+        );
+    }
+    let mut legacy = LegacyClient::connect(format!("http://{}", h.broker.addr))
+        .await
+        .unwrap();
+    let mut request = tonic::Request::new(legacy::SyncFlagsRequest {
+        provider_id: String::new(),
+        selector: set.into(),
+    });
+    request.metadata_mut().insert(
+        crd_broker::grpc::flagd::INCREMENTAL_HEADER,
+        "true".parse().unwrap(),
+    );
+    let status = legacy.sync_flags(request).await.unwrap_err();
+    assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
+    h.fake
+        .merge_patch(
+            GV,
+            "featureflags",
+            "default",
+            "b",
+            json!({ "spec": { "flagSpec": { "flags": { "y": { "defaultVariant": "on" } } } } }),
+        )
+        .unwrap();
+    assert_eq!(config(&mut s).await["flags"]["y"]["defaultVariant"], "on");
+}
+
 /// The line of `family{labels}` in the broker's metrics, as text; none if it has no series.
 fn series(h: &Harness, family_and_labels: &str) -> Option<String> {
     h.broker

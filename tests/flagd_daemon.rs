@@ -139,17 +139,20 @@ async fn flagd_syncs_over_tls_with_its_cert_path() {
     );
 }
 
+/// The FeatureFlag `name` of `ns`, labelled `app=checkout`, whose one flag is `key`.
+fn labelled(ns: &str, name: &str, key: &str, variant: &str) -> Value {
+    let mut f = flag_in(ns, name, variant);
+    f["metadata"]["labels"] = json!({ "app": "checkout" });
+    let flags = f["spec"]["flagSpec"]["flags"]["f"].take();
+    f["spec"]["flagSpec"]["flags"] = json!({ key: flags });
+    f
+}
+
 #[tokio::test]
 async fn flagd_takes_the_merged_flags_of_a_set_selector() {
     let plane = control_plane();
     let ns = flag_world(plane, "flagd-set", "on").await;
-    let labelled = |name: &str, key: &str, variant: &str| {
-        let mut f = flag_in(&ns, name, variant);
-        f["metadata"]["labels"] = json!({ "app": "checkout" });
-        let flags = f["spec"]["flagSpec"]["flags"]["f"].take();
-        f["spec"]["flagSpec"]["flags"] = json!({ key: flags });
-        f
-    };
+    let labelled = |name: &str, key: &str, variant: &str| labelled(&ns, name, key, variant);
     plane
         .apply(&[labelled("a", "x", "on"), labelled("b", "y", "off")])
         .await;
@@ -170,6 +173,71 @@ async fn flagd_takes_the_merged_flags_of_a_set_selector() {
     plane.apply(&[labelled("c", "z", "on")]).await;
     let took = flagd.until("z", json!(true), EDIT).await;
     println!("a FeatureFlag joining the set evaluated by flagd after {took:?}");
+}
+
+/// Waits (2 s at most) until flagd answers 404 for `key`; how long it took.
+async fn gone(flagd: &Flagd, key: &str) -> Duration {
+    let at = Instant::now();
+    loop {
+        let (status, body) = flagd.evaluate(key).await.unwrap();
+        if status == 404 {
+            return at.elapsed();
+        }
+        assert!(at.elapsed() < EDIT, "{key} still evaluates: {body}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// flagd with `incrementalUpdates` (flagd#1922) and the broker's header takes a set one
+/// FeatureFlag at a time: an edit, a FeatureFlag leaving the set, one joining, one deleted.
+#[tokio::test]
+async fn flagd_with_incremental_updates_keeps_each_feature_flag_of_a_set_as_its_own_flag_set() {
+    let plane = control_plane();
+    let ns = flag_world(plane, "flagd-incremental", "on").await;
+    let mut b = labelled(&ns, "b", "y", "off");
+    b["spec"]["flagSpec"]["metadata"] = json!({ "flagSetId": "team-b" });
+    plane
+        .apply(&[labelled(&ns, "a", "x", "on"), b.clone()])
+        .await;
+    let broker = plane.deploy(&ns, values(&ns, json!({}))).await;
+    let mut set = source(&broker.grpc.to_string(), &ns, "demo");
+    set["selector"] = json!(format!(
+        "core.openfeature.dev/{ns}?labelSelector=app%3Dcheckout"
+    ));
+    set["incrementalUpdates"] = json!(true);
+    set["headers"] = json!({ crd_broker::grpc::flagd::INCREMENTAL_HEADER: "true" });
+    let mut flagd = Flagd::start(json!([set])).await;
+    flagd.until("x", json!(true), Duration::from_secs(30)).await;
+    flagd.until("y", json!(false), EDIT).await;
+    let flag_set = |body: Value| body["metadata"]["flagSetId"].clone();
+    assert_eq!(
+        flag_set(flagd.evaluate("x").await.unwrap().1),
+        json!(format!("{ns}/a"))
+    );
+    assert_eq!(
+        flag_set(flagd.evaluate("y").await.unwrap().1),
+        json!("team-b")
+    );
+
+    // a's edit, sent alone, leaves b's flag as it was.
+    plane.apply(&[labelled(&ns, "a", "x", "off")]).await;
+    flagd.until("x", json!(false), EDIT).await;
+    assert_eq!(flagd.evaluate("y").await.unwrap().1["value"], false);
+
+    // b leaves the set: its flag set is emptied, a's stays.
+    b["metadata"]["labels"] = json!({ "app": "cart" });
+    plane.apply(&[b]).await;
+    gone(&flagd, "y").await;
+    assert_eq!(flagd.evaluate("x").await.unwrap().1["value"], false);
+
+    // c joins; a is deleted: c's flag evaluates, a's is gone.
+    plane.apply(&[labelled(&ns, "c", "z", "on")]).await;
+    flagd.until("z", json!(true), EDIT).await;
+    let api: Api<DynamicObject> = Api::namespaced_with(plane.admin().await, &ns, &feature_flags());
+    api.delete("a", &DeleteParams::default()).await.unwrap();
+    let took = gone(&flagd, "x").await;
+    assert_eq!(flagd.evaluate("z").await.unwrap().1["value"], true);
+    println!("incremental: a deleted FeatureFlag's flag gone from flagd after {took:?}");
 }
 
 #[tokio::test]

@@ -60,14 +60,15 @@ pub struct Run {
     /// `stalled` (readers that never read, under large updates), `failover` (replicas SIGKILLed
     /// under load, then a restart storm on a fresh replica), `connections` (TCP connections to
     /// the API server for 100, 1,000 and 5,000 CRs, HTTP/1.1 and HTTP/2), `granularity`
-    /// (per-object watches against one namespace watch), `coldstart` (a cold subscribe's first
+    /// (per-object watches against one namespace watch), `incremental` (one write to a
+    /// FeatureFlag of a set, as its flagd streams are sent it whole and as incremental updates), `coldstart` (a cold subscribe's first
     /// message against one LIST + WATCH on the same API server), `attacks` (what one caller can
     /// make the broker and the API server hold: cycled sets, namespaces and names, a token
     /// flood, stalled set subscribers; docs/security.md), `apiserver-cost` (what sidecars
     /// watching their CRs themselves cost a real kube-apiserver, against one broker and three
     /// replicas; needs Go or a cached control plane, so `all` leaves it out), `peers` (crd-broker
-    /// beside the flagd daemon as a relay, the nearest peer that can be built here, on one real
-    /// control plane with the same CRs and flagd sync subscribers; also left out of `all`),
+    /// beside stock flagd-proxy and the flagd daemon as a relay, on real control planes with the
+    /// same CRs and flagd sync subscribers; also left out of `all`),
     /// `resolvers` (clients watching the headless Service's EndpointSlices themselves, as
     /// kuberesolver does, against clients asking the broker over xDS; a real control plane,
     /// left out of `all`), or `all`.

@@ -17,6 +17,7 @@ use crate::scenarios::fanout::{Fanout, FanoutRun};
 use crate::scenarios::granularity::Granularity;
 use crate::scenarios::identity::Identity;
 use crate::scenarios::idle::Idle;
+use crate::scenarios::incremental::Incremental;
 use crate::scenarios::peers::{self, Peers};
 use crate::scenarios::resolvers::{self, Resolvers};
 use crate::scenarios::stalled::Stalled;
@@ -113,6 +114,8 @@ pub struct Results {
     pub connections: Option<Connections>,
     /// Per-object watches against one namespace watch.
     pub granularity: Option<Granularity>,
+    /// A set's flagd streams sent whole and as incremental updates.
+    pub incremental: Option<Incremental>,
     /// A cold subscribe against one LIST + WATCH.
     pub coldstart: Option<ColdStart>,
     /// The attacks a review found.
@@ -169,6 +172,7 @@ impl Results {
             failover: None,
             connections: None,
             granularity: None,
+            incremental: None,
             coldstart: None,
             attacks: None,
             apiserver_cost: None,
@@ -382,6 +386,27 @@ pub fn markdown(r: &Results) -> String {
                 row.cpu_seconds,
                 row.subscribe_seconds
             );
+        }
+        s += "\n";
+    }
+    if let Some(i) = &r.incremental {
+        s += "### Incremental updates of a set\n\nOne write to one FeatureFlag of a label-selected set, as the set's flagd sync streams are sent it: whole (the merged configuration) or as incremental updates (that FeatureFlag's flag set alone).\n\n| FeatureFlags | updates | streams | writes | first message | bytes per write per stream | messages per write | broker CPU for the writes |\n|---:|---|---:|---:|---:|---:|---:|---:|\n";
+        for row in &i.rows {
+            s += &format!(
+                "| {} | {} | {} | {} | {:.1} KiB | {:.0} | {:.2} | {:.2} s |\n",
+                row.members,
+                row.updates,
+                row.streams,
+                row.writes,
+                row.first_bytes as f64 / 1024.0,
+                row.bytes_per_write,
+                row.messages_per_write,
+                row.cpu_seconds
+            );
+        }
+        s += "\n| FeatureFlags | bytes per write, incremental ÷ whole |\n|---:|---:|\n";
+        for (members, ratio) in &i.ratios {
+            s += &format!("| {members} | {ratio:.4} |\n");
         }
         s += "\n";
     }

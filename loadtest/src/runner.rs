@@ -4,7 +4,7 @@ use anyhow::Context;
 
 use crate::scenarios::{
     apiserver_cost, attacks, churn, coldstart, connections, failover, fanout, granularity,
-    identity, idle, peers, resolvers, stalled, storm,
+    identity, idle, incremental, peers, resolvers, stalled, storm,
 };
 use crate::{Run, report, stats};
 
@@ -90,6 +90,13 @@ pub async fn run_all(run: Run) -> anyhow::Result<()> {
             granularity::granularity(&run)
                 .await
                 .context("the granularity scenario")?,
+        );
+    }
+    if run.wants("incremental") {
+        results.incremental = Some(
+            incremental::incremental(&run)
+                .await
+                .context("the incremental-updates scenario")?,
         );
     }
     if run.wants("connections") {

@@ -19,6 +19,7 @@ use tokio_util::sync::CancellationToken;
 use tonic::metadata::MetadataMap;
 use tonic::{Request, Response, Status};
 
+use super::flag_sets::{Held, MemberSpec, Merge};
 use super::frame::Encoded;
 use super::messages::{End, Messages, Next};
 use super::{Delivery, admit_one, drain_of, shutting_down, source_status};
@@ -153,160 +154,96 @@ pub fn flag_configuration(object_json: &[u8]) -> String {
     }
 }
 
-/// What a merge reads of one FeatureFlag: its namespace, and each of its flags and
-/// `$evaluators` as written (JSON kept as text, not rebuilt). Decoded once per state of the
-/// FeatureFlag ([`crate::registry::Update::decoded`]), so a change to one member of a large set
-/// costs its own decoding, not every member's.
-#[derive(Debug, Default)]
-pub struct MemberSpec {
-    namespace: String,
-    flags: Vec<(String, Box<serde_json::value::RawValue>)>,
-    evaluators: Vec<(String, Box<serde_json::value::RawValue>)>,
-}
-
-impl MemberSpec {
-    /// The spec of the FeatureFlag `object`; none of its flags if they do not parse.
-    pub fn of(object: &crate::source::Object) -> MemberSpec {
-        #[derive(serde::Deserialize, Default)]
-        struct Document {
-            #[serde(default)]
-            metadata: Metadata,
-            #[serde(default)]
-            spec: Option<FeatureFlagSpec>,
-        }
-        #[derive(serde::Deserialize, Default)]
-        struct Metadata {
-            #[serde(default)]
-            namespace: String,
-        }
-        #[derive(serde::Deserialize)]
-        struct FeatureFlagSpec {
-            #[serde(rename = "flagSpec", default)]
-            flag_spec: Option<FlagSpec>,
-        }
-        #[derive(serde::Deserialize)]
-        struct FlagSpec {
-            #[serde(default)]
-            flags: Option<std::collections::BTreeMap<String, Box<serde_json::value::RawValue>>>,
-            #[serde(rename = "$evaluators", default)]
-            evaluators:
-                Option<std::collections::BTreeMap<String, Box<serde_json::value::RawValue>>>,
-        }
-        let document: Document = serde_json::from_slice(&object.json).unwrap_or_default();
-        let spec = document.spec.and_then(|s| s.flag_spec);
-        let (flags, evaluators) = spec.map_or((None, None), |s| (s.flags, s.evaluators));
-        MemberSpec {
-            namespace: document.metadata.namespace,
-            flags: flags.into_iter().flatten().collect(),
-            evaluators: evaluators.into_iter().flatten().collect(),
-        }
-    }
-}
-
-/// The merged flag configuration of a set's FeatureFlags, given in name order (namespace, then
-/// name, for a set of every namespace): each flag key (and `$evaluators` key) from the first
-/// FeatureFlag of its namespace that defines it; the keys defined again. A key that FeatureFlags
-/// of two namespaces define is served from neither: no namespace may shadow another's flag by
-/// sorting first.
-pub fn merged_configuration<'a>(
-    specs: impl IntoIterator<Item = &'a MemberSpec>,
-) -> (String, Vec<String>) {
-    use serde_json::value::RawValue;
-    use std::collections::BTreeMap;
-    // Each key: the namespace that defined it first, its JSON, and whether another namespace
-    // defines it too.
-    type Merged<'s> = BTreeMap<&'s str, (&'s str, &'s RawValue, bool)>;
-    let mut flags: Merged = BTreeMap::new();
-    let mut evaluators: Merged = BTreeMap::new();
-    let mut conflicts = Vec::new();
-    for spec in specs {
-        for (field, from, into) in [
-            ("flags", &spec.flags, &mut flags),
-            ("$evaluators", &spec.evaluators, &mut evaluators),
-        ] {
-            for (key, value) in from {
-                match into.get_mut(key.as_str()) {
-                    None => {
-                        into.insert(key, (&spec.namespace, value, false));
-                    }
-                    Some((namespace, _, _)) if *namespace == spec.namespace => {
-                        conflicts.push(format!("{field}.{key}"));
-                    }
-                    Some((namespace, _, across)) => {
-                        conflicts.push(format!(
-                            "{field}.{key} (in {namespace} and {}: served from neither)",
-                            spec.namespace
-                        ));
-                        *across = true;
-                    }
-                }
-            }
-        }
-    }
-    let write = |text: &mut String, merged: &Merged| {
-        text.push('{');
-        let mut first = true;
-        for (key, (_, value, across)) in merged {
-            if *across {
-                continue;
-            }
-            if !std::mem::take(&mut first) {
-                text.push(',');
-            }
-            text.push_str(&Value::from(*key).to_string());
-            text.push(':');
-            text.push_str(value.get());
-        }
-        text.push('}');
-    };
-    let mut config = String::from("{\"flags\":");
-    write(&mut config, &flags);
-    if evaluators.values().any(|(_, _, across)| !across) {
-        config.push_str(",\"$evaluators\":");
-        write(&mut config, &evaluators);
-    }
-    config.push('}');
-    (config, conflicts)
-}
-
 /// Which [`Members::wire`] slot holds a set's merged configuration as text; the protocols'
 /// encodings of it are in their own slots.
 const MERGED: usize = crate::registry::slot::FLAGD_MERGED;
 
-/// The merged configuration of a set's `members` once listed (`None` before), encoded for
-/// `protocol`, or as text for none. It is made and encoded once per state of the set, whatever
-/// the number of its subscribers, and its conflicts are counted and logged then.
-fn merged(
+/// The merge of a set's `members` once listed (`None` before, an error if its source refused
+/// it), made once per state of the set whatever the number of its subscribers; its conflicts
+/// are counted and logged then.
+fn merge(
     metrics: &crate::telemetry::Metrics,
     set: &str,
     members: &Members,
-    protocol: Option<(Protocol, &Context)>,
-) -> Option<Result<Wire, Status>> {
+) -> Option<Result<Arc<Merge>, Status>> {
     if !members.synced {
         return match &members.failure {
             Some(e) if !e.is_outage() => Some(Err(source_status(0, e))),
             _ => None,
         };
     }
-    let text = members.wire(MERGED, |members| {
-        let specs: Vec<Arc<MemberSpec>> = members
+    Some(Ok(members.decoded(|members| {
+        let specs = members
             .objects
             .values()
             .map(|u| u.decoded(MemberSpec::of))
             .collect();
-        let (config, conflicts) = merged_configuration(specs.iter().map(|s| &**s));
+        let merge = Merge::of(specs);
+        let conflicts = merge.conflicts();
         if !conflicts.is_empty() {
             metrics.subscriptions.flag_conflicts.inc_by(conflicts.len() as u64);
             tracing::warn!(%set, keys = ?conflicts, "flags defined by more than one FeatureFlag of a set; the first in name order of a namespace is kept, and one two namespaces define is served from neither");
         }
-        config.into()
-    });
+        merge
+    })))
+}
+
+/// The merged configuration of a set's `members` ([`merge`]), encoded for `protocol`, or as
+/// text for none; made and encoded once per state of the set.
+fn merged(
+    metrics: &crate::telemetry::Metrics,
+    set: &str,
+    members: &Members,
+    protocol: Option<(Protocol, &Context)>,
+) -> Option<Result<Wire, Status>> {
+    let merge = match merge(metrics, set, members)? {
+        Ok(merge) => merge,
+        Err(status) => return Some(Err(status)),
+    };
+    let text = members.wire(MERGED, |_| merge.configuration().into());
     Some(Ok(match protocol {
         None => text,
         Some((protocol, context)) => members.wire(protocol.slot(), |_| {
             protocol.encode(String::from_utf8_lossy(&text.bytes).into_owned(), context)
         }),
     }))
+}
+
+/// The gRPC metadata key a client sets to `true` to take a set's configurations as incremental
+/// updates ([`flag_sets`](super::flag_sets)): a flagd source with `incrementalUpdates: true`
+/// sends it in its `headers`.
+pub const INCREMENTAL_HEADER: &str = "crd-broker-incremental-updates";
+
+/// Whether a request asks for incremental updates of `target`: INVALID_ARGUMENT for a header
+/// that is neither `true` nor `false`, or that asks them of one FeatureFlag or of the legacy
+/// protocol (whose clients have no incremental updates).
+fn incremental(
+    metadata: &MetadataMap,
+    target: &Target,
+    protocol: Protocol,
+) -> Result<bool, Status> {
+    let wanted = match metadata.get(INCREMENTAL_HEADER).map(|v| v.to_str()) {
+        None | Some(Ok("false")) => return Ok(false),
+        Some(Ok("true")) => true,
+        Some(value) => {
+            let value = value.unwrap_or("(not text)");
+            return Err(Status::invalid_argument(format!(
+                "{INCREMENTAL_HEADER} is true or false, not {}",
+                crate::selector::quote(value)
+            )));
+        }
+    };
+    if protocol == Protocol::Legacy {
+        return Err(Status::invalid_argument(format!(
+            "{INCREMENTAL_HEADER}: incremental updates are sent on flagd.sync.v1 only"
+        )));
+    }
+    if let Target::One(_) = target {
+        return Err(Status::invalid_argument(format!(
+            "{INCREMENTAL_HEADER}: incremental updates are for a set of FeatureFlags (core.openfeature.dev/<namespace>?labelSelector=…); one FeatureFlag is sent whole"
+        )));
+    }
+    Ok(wanted)
 }
 
 /// What a flagd selector names: one FeatureFlag, or a set of them.
@@ -447,9 +384,9 @@ impl<S: Source> FlagdCore<S> {
         caller: Caller,
         set: Set,
         protocol: Protocol,
+        incremental: bool,
     ) -> Result<(String, Frames), Status> {
         let (set, members, ticket) = admit_one(&self.registry, &self.access, &caller, &set).await?;
-        let (metrics, limit) = (self.registry.metrics().clone(), self.limit);
         let revoked = ticket.revoked();
         let ends = Box::pin(async move {
             let _ticket = ticket;
@@ -459,75 +396,65 @@ impl<S: Source> FlagdCore<S> {
             }
         });
         let name = set.to_string();
-        let selector = name.clone();
-        let context = self.context.clone();
-        let frames = futures::stream::unfold(
-            (members, ends, None::<u64>, true),
-            move |(mut members, mut ends, last, first)| {
-                let metrics = metrics.clone();
-                let name = name.clone();
-                let context = context.clone();
-                async move {
-                    let mut first = first;
-                    loop {
-                        if !std::mem::take(&mut first) {
-                            tokio::select! {
-                                status = &mut ends => return Some((Err(status), (members, ends, last, false))),
-                                changed = members.changed() => if !changed {
-                                    return Some((Err(shutting_down()), (members, ends, last, false)));
-                                },
-                            }
-                        }
-                        let current = members.current();
-                        match merged(&metrics, &name, &current, Some((protocol, &context))) {
-                            None => continue,
-                            Some(Err(status)) => {
-                                return Some((Err(status), (members, ends, last, false)));
-                            }
-                            Some(Ok(wire)) if last == Some(wire.digest) => continue,
-                            Some(Ok(wire)) if wire.bytes.len() > limit => {
-                                let status = too_large(&name, wire.bytes.len(), limit);
-                                return Some((Err(status), (members, ends, last, false)));
-                            }
-                            Some(Ok(wire)) => {
-                                let digest = Some(wire.digest);
-                                return Some((
-                                    Ok(Encoded(wire.bytes)),
-                                    (members, ends, digest, false),
-                                ));
-                            }
-                        }
-                    }
-                }
+        let stream = SetStream {
+            members,
+            ends,
+            updates: if incremental {
+                Updates::Incremental(Held::default())
+            } else {
+                Updates::Whole(None)
             },
-        );
-        Ok((selector, super::until_error(frames).boxed()))
+            queue: std::collections::VecDeque::new(),
+            first: true,
+            metrics: self.registry.metrics().clone(),
+            name: name.clone(),
+            context: self.context.clone(),
+            protocol,
+            limit: self.limit,
+        };
+        let frames = futures::stream::unfold(stream, |mut stream| async move {
+            let next = stream.next().await;
+            Some((next, stream))
+        });
+        Ok((name, super::until_error(frames).boxed()))
     }
 
-    async fn fetch_set(&self, caller: Caller, set: Set) -> Result<String, Status> {
+    /// The configuration of a set once listed: merged, or (`incremental`) every flag set of
+    /// it in one configuration, each flag naming its flag set.
+    async fn fetch_set(
+        &self,
+        caller: Caller,
+        set: Set,
+        incremental: bool,
+    ) -> Result<String, Status> {
         let (set, mut members, _ticket) =
             admit_one(&self.registry, &self.access, &caller, &set).await?;
         let name = set.to_string();
         let wait = async {
             loop {
-                let current = members.current();
-                if let Some(config) = merged(self.registry.metrics(), &name, &current, None) {
-                    return config;
+                if let Some(merge) = merge(self.registry.metrics(), &name, &members.current()) {
+                    return merge;
                 }
                 if !members.changed().await {
                     return Err(shutting_down());
                 }
             }
         };
-        let config = tokio::time::timeout(FETCH_WAIT, wait).await.map_err(|_| {
+        let merge = tokio::time::timeout(FETCH_WAIT, wait).await.map_err(|_| {
             Status::unavailable(format!(
                 "no answer from the source for {set} within {FETCH_WAIT:?}"
             ))
         })??;
-        if config.bytes.len() > self.limit {
-            return Err(too_large(&name, config.bytes.len(), self.limit));
+        let config = if incremental {
+            // A first update is one configuration.
+            Held::default().next(merge.flag_sets()).concat()
+        } else {
+            merge.configuration()
+        };
+        if config.len() > self.limit {
+            return Err(too_large(&name, config.len(), self.limit));
         }
-        Ok(String::from_utf8_lossy(&config.bytes).into_owned())
+        Ok(config)
     }
 
     /// A `SyncFlags` stream, counted under its selector until it ends
@@ -554,11 +481,15 @@ impl<S: Source> FlagdCore<S> {
         drain: crate::conn::ConnDrain,
     ) -> Result<(String, Frames), Status> {
         let started = std::time::Instant::now();
-        let selector = match target(request.metadata(), body)? {
+        let target = target(request.metadata(), body)?;
+        let incremental = incremental(request.metadata(), &target, protocol)?;
+        let selector = match target {
             Target::One(selector) => selector,
             Target::Set(set) => {
                 let caller = Caller::of(request.extensions())?;
-                return self.sync_set(drain, caller, set, protocol).await;
+                return self
+                    .sync_set(drain, caller, set, protocol, incremental)
+                    .await;
             }
         };
         let caller = Caller::of(request.extensions())?;
@@ -586,11 +517,18 @@ impl<S: Source> FlagdCore<S> {
         Ok((canonical.to_string(), frames))
     }
 
-    async fn fetch<T>(&self, request: &Request<T>, body: &str) -> Result<String, Status> {
+    async fn fetch<T>(
+        &self,
+        request: &Request<T>,
+        body: &str,
+        protocol: Protocol,
+    ) -> Result<String, Status> {
         let caller = Caller::of(request.extensions())?;
-        let selector = match target(request.metadata(), body)? {
+        let target = target(request.metadata(), body)?;
+        let incremental = incremental(request.metadata(), &target, protocol)?;
+        let selector = match target {
             Target::One(selector) => selector,
-            Target::Set(set) => return self.fetch_set(caller, set).await,
+            Target::Set(set) => return self.fetch_set(caller, set, incremental).await,
         };
         let (canonical, mut subscription, _ticket) =
             admit_one(&self.registry, &self.access, &caller, &selector).await?;
@@ -645,6 +583,84 @@ fn too_large(name: &str, size: usize, limit: usize) -> Status {
     Status::resource_exhausted(format!(
         "FeatureFlag {name} makes a flag configuration of {size} bytes; flagd clients accept at most {limit} bytes"
     ))
+}
+
+/// How a set's configurations reach one client.
+enum Updates {
+    /// The whole merged configuration whenever it changes; the digest of the last sent.
+    Whole(Option<u64>),
+    /// Only the flag sets that changed ([`Held`]).
+    Incremental(Held),
+}
+
+/// One client's stream of a set's configurations: the first at once, then each change.
+struct SetStream {
+    members: crate::registry::Subscription<Members>,
+    /// Resolves with the status the stream ends with: drained, or its rights revoked.
+    ends: std::pin::Pin<Box<dyn std::future::Future<Output = Status> + Send>>,
+    updates: Updates,
+    /// Configurations made and not yet sent (an incremental update may be several).
+    queue: std::collections::VecDeque<Bytes>,
+    first: bool,
+    metrics: Arc<crate::telemetry::Metrics>,
+    name: String,
+    context: Context,
+    protocol: Protocol,
+    limit: usize,
+}
+
+impl SetStream {
+    async fn next(&mut self) -> Result<Encoded, Status> {
+        loop {
+            if let Some(bytes) = self.queue.pop_front() {
+                return Ok(Encoded(bytes));
+            }
+            if !std::mem::take(&mut self.first) {
+                tokio::select! {
+                    status = &mut self.ends => return Err(status),
+                    changed = self.members.changed() => if !changed {
+                        return Err(shutting_down());
+                    },
+                }
+            }
+            let current = self.members.current();
+            let (metrics, name, limit) = (&self.metrics, &self.name, self.limit);
+            match &mut self.updates {
+                Updates::Whole(last) => {
+                    let wire = match merged(
+                        metrics,
+                        name,
+                        &current,
+                        Some((self.protocol, &self.context)),
+                    ) {
+                        None => continue,
+                        Some(wire) => wire?,
+                    };
+                    if *last == Some(wire.digest) {
+                        continue;
+                    }
+                    if wire.bytes.len() > limit {
+                        return Err(too_large(name, wire.bytes.len(), limit));
+                    }
+                    *last = Some(wire.digest);
+                    self.queue.push_back(wire.bytes);
+                }
+                Updates::Incremental(held) => {
+                    let merge = match merge(metrics, name, &current) {
+                        None => continue,
+                        Some(merge) => merge?,
+                    };
+                    for config in held.next(merge.flag_sets()) {
+                        if config.len() > limit {
+                            return Err(too_large(name, config.len(), limit));
+                        }
+                        self.queue
+                            .push_back(self.protocol.encode(config, &self.context));
+                    }
+                }
+            }
+        }
+    }
 }
 
 /// The configurations for one subscriber: at once, then each one that differs from the last sent.
@@ -709,7 +725,9 @@ impl<S: Source> flagd::flag_sync_service_server::FlagSyncService for FlagdServic
         &self,
         request: Request<flagd::FetchAllFlagsRequest>,
     ) -> Result<Response<flagd::FetchAllFlagsResponse>, Status> {
-        let config = self.0.fetch(&request, &request.get_ref().selector).await?;
+        let config = (self.0)
+            .fetch(&request, &request.get_ref().selector, Protocol::Flagd)
+            .await?;
         Ok(Response::new(flagd::FetchAllFlagsResponse {
             flag_configuration: config,
         }))
@@ -745,7 +763,9 @@ impl<S: Source> legacy::flag_sync_service_server::FlagSyncService for LegacyServ
         &self,
         request: Request<legacy::FetchAllFlagsRequest>,
     ) -> Result<Response<legacy::FetchAllFlagsResponse>, Status> {
-        let config = self.0.fetch(&request, &request.get_ref().selector).await?;
+        let config = (self.0)
+            .fetch(&request, &request.get_ref().selector, Protocol::Legacy)
+            .await?;
         Ok(Response::new(legacy::FetchAllFlagsResponse {
             flag_configuration: config,
         }))
@@ -756,54 +776,6 @@ impl<S: Source> legacy::flag_sync_service_server::FlagSyncService for LegacyServ
 mod tests {
     use super::*;
     use tonic::metadata::MetadataValue;
-
-    fn member(namespace: &str, flags: serde_json::Value) -> MemberSpec {
-        let object = serde_json::json!({
-            "metadata": { "name": "f", "namespace": namespace },
-            "spec": { "flagSpec": { "flags": flags, "$evaluators": { "e": { "in": [1] } } } },
-        });
-        MemberSpec::of(&crate::source::Object::from_value(&object))
-    }
-
-    #[test]
-    fn a_merge_keeps_a_namespaces_first_definition_and_serves_no_key_two_namespaces_define() {
-        let specs = [
-            member(
-                "team-a",
-                serde_json::json!({ "x": { "v": 1 }, "y": { "v": 1 } }),
-            ),
-            member(
-                "team-a",
-                serde_json::json!({ "y": { "v": 2 }, "z": { "v": 2 } }),
-            ),
-            member(
-                "team-b",
-                serde_json::json!({ "z": { "v": 3 }, "w": { "v": 3 } }),
-            ),
-        ];
-        let (config, conflicts) = merged_configuration(&specs);
-        let config: Value = serde_json::from_str(&config).unwrap();
-        assert_eq!(
-            config["flags"],
-            serde_json::json!({ "w": { "v": 3 }, "x": { "v": 1 }, "y": { "v": 1 } }),
-            "y from team-a's first; z, in both namespaces, from neither"
-        );
-        assert_eq!(
-            conflicts,
-            [
-                "flags.y",
-                "$evaluators.e",
-                "flags.z (in team-a and team-b: served from neither)",
-                "$evaluators.e (in team-a and team-b: served from neither)",
-            ]
-        );
-        assert!(config.get("$evaluators").is_none(), "{config}");
-        // One namespace: as before, the first in name order.
-        let (config, _) = merged_configuration(&specs[..2]);
-        let config: Value = serde_json::from_str(&config).unwrap();
-        assert_eq!(config["flags"]["y"]["v"], 1);
-        assert_eq!(config["$evaluators"]["e"]["in"][0], 1);
-    }
 
     fn meta(header: Option<&str>) -> MetadataMap {
         let mut m = MetadataMap::new();

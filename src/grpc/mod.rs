@@ -23,6 +23,7 @@ use crate::telemetry::{
     FirstMessageLabels, Limit, Metrics, Protocol, ResourceLabels, SubscriberLabels, Watch,
 };
 
+mod flag_sets;
 pub mod flagd;
 pub mod frame;
 mod messages;

@@ -154,21 +154,30 @@ impl Update {
     /// protocol reads of each member of a set it merges, decoded once per state of the member
     /// rather than once per merge. One decoded form is kept; another type is decoded anew.
     pub fn decoded<T: Send + Sync + 'static>(&self, decode: impl FnOnce(&Object) -> T) -> Arc<T> {
-        if let Some(held) = self.decoded.get() {
-            return match held.clone().downcast::<T>() {
-                Ok(value) => value,
-                Err(_) => Arc::new(decode(&self.object)),
-            };
-        }
-        let value = Arc::new(decode(&self.object));
-        // Two first askers at once each decode; one's is kept.
-        let _ = self.decoded.set(value.clone());
-        value
+        decoded_in(&self.decoded, || decode(&self.object))
     }
 
     fn same_version(&self, other: &Object) -> bool {
         self.object.uid == other.uid && self.object.resource_version == other.resource_version
     }
+}
+
+/// A decoded form held in `cell`, made by `decode` the first time it is asked for; a type other
+/// than the one held is decoded anew and not kept.
+fn decoded_in<T: Send + Sync + 'static>(
+    cell: &OnceLock<Arc<dyn std::any::Any + Send + Sync>>,
+    decode: impl FnOnce() -> T,
+) -> Arc<T> {
+    if let Some(held) = cell.get() {
+        return match held.clone().downcast::<T>() {
+            Ok(value) => value,
+            Err(_) => Arc::new(decode()),
+        };
+    }
+    let value = Arc::new(decode());
+    // Two first askers at once each decode; one's is kept.
+    let _ = cell.set(value.clone());
+    value
 }
 
 /// A subscriber's handle on one watch: a resource's [`State`], or a set's [`Members`]. Dropping

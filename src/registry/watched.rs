@@ -176,7 +176,14 @@ pub struct Members {
     pub failure: Option<SourceError>,
     /// Forms made from all the members (a flagd configuration merged from them), at most once
     /// per state of the set.
-    wire: Arc<[OnceLock<Wire>; WIRE_SLOTS]>,
+    forms: Arc<SetForms>,
+}
+
+/// What is made from all the members of one state of a set: wire forms, and one decoded form.
+#[derive(Debug, Default)]
+struct SetForms {
+    wire: [OnceLock<Wire>; WIRE_SLOTS],
+    decoded: OnceLock<Arc<dyn std::any::Any + Send + Sync>>,
 }
 
 impl Members {
@@ -192,9 +199,16 @@ impl Members {
     /// The form in `slot` made from every member, made with `make` the first time it is asked
     /// for in this state of the set.
     pub fn wire(&self, slot: usize, make: impl FnOnce(&Members) -> Bytes) -> Wire {
-        self.wire[slot % WIRE_SLOTS]
+        self.forms.wire[slot % WIRE_SLOTS]
             .get_or_init(|| Wire::new(make(self)))
             .clone()
+    }
+
+    /// What `decode` makes of every member, made the first time it is asked for in this state
+    /// of the set and shared after (a protocol's reading of the set that its encodings start
+    /// from). One decoded form is kept; another type is decoded anew.
+    pub fn decoded<T: Send + Sync + 'static>(&self, decode: impl FnOnce(&Members) -> T) -> Arc<T> {
+        super::decoded_in(&self.forms.decoded, || decode(self))
     }
 }
 
@@ -263,7 +277,7 @@ impl Watched for Set {
                 SetEvent::Recovered => members.failure.take().is_some(),
             };
             if changed {
-                members.wire = Arc::default();
+                members.forms = Arc::default();
             }
             changed
         })

@@ -13,6 +13,7 @@ pub mod fanout;
 pub mod granularity;
 pub mod identity;
 pub mod idle;
+pub mod incremental;
 pub mod peers;
 pub mod resolvers;
 pub mod stalled;
