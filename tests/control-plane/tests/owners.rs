@@ -135,15 +135,28 @@ fn a_test_binary_ends_with_the_cargo_that_runs_it() {
         let test = "start_children_and_wait";
         // The binary in the background: its SIGINT ignored, as a shell does for what it starts
         // in the background, so that only its following cargo can end it.
-        let mut cargo = Command::new(&cargo)
+        let mut cargo = Command::new(&cargo);
+        cargo
             .arg("-c")
             .arg(r#""$0" --exact "$1" --ignored --nocapture & wait"#)
             .arg(&exe)
             .arg(test)
             .env(leash::RUN, &run)
-            .stdout(Stdio::piped())
-            .spawn()
-            .unwrap();
+            .stdout(Stdio::piped());
+        // A cargo takes the signal whatever this binary was started with: one started in the
+        // background by a non-interactive shell (a CI job) inherits SIGINT ignored, and so
+        // would the stand-in, which would then wait for its child's ten minutes.
+        #[allow(unsafe_code)]
+        // SAFETY: signal(2) is async-signal-safe, and nothing else runs between fork and exec.
+        unsafe {
+            use std::os::unix::process::CommandExt;
+            cargo.pre_exec(|| {
+                libc::signal(libc::SIGINT, libc::SIG_DFL);
+                libc::signal(libc::SIGTERM, libc::SIG_DFL);
+                Ok(())
+            });
+        }
+        let mut cargo = cargo.spawn().unwrap();
         report(&mut cargo, "started ");
         let status = Command::new("kill")
             .args([&format!("-{signal}"), &cargo.id().to_string()])
