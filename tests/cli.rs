@@ -24,7 +24,8 @@ fn copy_examples(to: &Path) {
 
 async fn serve(dir: &Path, port: u16) -> Child {
     // The address through the environment, the rest as flags.
-    let child = Command::new(BIN)
+    let mut command = Command::new(BIN);
+    command
         .args(["serve", "--manifests"])
         .arg(dir)
         .args([
@@ -35,7 +36,13 @@ async fn serve(dir: &Path, port: u16) -> Child {
             "--admin-addr",
             "127.0.0.1:0",
         ])
-        .env("CRD_BROKER_GRPC_ADDR", format!("127.0.0.1:{port}"))
+        .env("CRD_BROKER_GRPC_ADDR", format!("127.0.0.1:{port}"));
+    listening(command, port).await
+}
+
+/// `serve` as `command` says, once it listens on `port`.
+async fn listening(mut command: Command, port: u16) -> Child {
+    let child = command
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .kill_on_drop(true)
@@ -150,6 +157,61 @@ async fn serve_manifests_and_subscribe_print_every_change() {
         "on"
     );
     assert!(line(&mut text_lines).await.starts_with("UPDATED "));
+}
+
+/// A broker that drains every connection after about a second, as a rollout or a replica's loss
+/// ends streams: `subscribe` resumes with what it holds, and `--resume=false` exits.
+#[tokio::test]
+async fn subscribe_resumes_a_drained_stream_with_current_and_goes_on() {
+    let dir = tempfile::tempdir().unwrap();
+    copy_examples(dir.path());
+    let port = free_port();
+    let mut serve = serve_on(&[], dir.path(), port);
+    serve
+        .args(["--manifests-poll", "50ms", "--max-connection-age", "1s"])
+        .args(["--max-connection-age-grace", "0s"]);
+    let _server = listening(serve, port).await;
+    let demo = "featureflags.core.openfeature.dev/default/demo";
+    let (mut child, mut lines) = subscribe(port, &["-o", "json", demo]);
+    let first: Value = serde_json::from_str(&line(&mut lines).await).unwrap();
+    assert_eq!(first["event"], "SNAPSHOT");
+    let resumed: Value = serde_json::from_str(&line(&mut lines).await).unwrap();
+    assert_eq!(resumed["event"], "CURRENT", "{resumed}");
+    assert_eq!(resumed["resourceVersion"], first["resourceVersion"]);
+    assert_eq!(resumed["object"], Value::Null, "no object");
+
+    // An edit after a resume arrives as ever.
+    let path = dir.path().join("demo.yaml");
+    let edited = std::fs::read_to_string(&path).unwrap().replacen(
+        "defaultVariant: \"off\"",
+        "defaultVariant: \"on\"",
+        1,
+    );
+    std::fs::write(&path, edited).unwrap();
+    let updated = loop {
+        let r: Value = serde_json::from_str(&line(&mut lines).await).unwrap();
+        if r["event"] != "CURRENT" {
+            break r;
+        }
+    };
+    assert_eq!(updated["event"], "UPDATED", "{updated}");
+    child.kill().await.unwrap();
+    let mut stderr = String::new();
+    tokio::io::AsyncReadExt::read_to_string(child.stderr.as_mut().unwrap(), &mut stderr)
+        .await
+        .unwrap();
+    assert!(stderr.contains("resuming in"), "{stderr}");
+
+    // Without resuming, the drained stream ends the command with its status.
+    let (child, mut lines) = subscribe(port, &["--resume=false", demo]);
+    line(&mut lines).await;
+    let out = tokio::time::timeout(Duration::from_secs(10), child.wait_with_output())
+        .await
+        .expect("it exits after the drain")
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("Unavailable"), "{err}");
 }
 
 #[tokio::test]

@@ -658,13 +658,7 @@ async fn a_set_selector_serves_the_merged_flags_of_its_feature_flags_in_name_ord
         .unwrap();
     assert_eq!(config(&mut s).await["flags"]["z"]["defaultVariant"], "on");
     h.fake
-        .merge_patch(
-            GV,
-            "featureflags",
-            "default",
-            "c",
-            serde_json::json!({ "metadata": { "labels": { "app": "checkout" } } }),
-        )
+        .merge_patch(GV, "featureflags", "default", "c", relabel("checkout"))
         .unwrap();
     assert!(config(&mut s).await["flags"]["w"].is_object());
     let fetched: Value = serde_json::from_str(
@@ -770,13 +764,7 @@ async fn incremental_updates_send_only_the_feature_flag_that_changed_and_name_on
 
     // a leaves the set: no flags, naming its flag set.
     h.fake
-        .merge_patch(
-            GV,
-            "featureflags",
-            "default",
-            "a",
-            json!({ "metadata": { "labels": { "app": "cart" } } }),
-        )
+        .merge_patch(GV, "featureflags", "default", "a", relabel("cart"))
         .unwrap();
     assert_eq!(
         config(&mut s).await,

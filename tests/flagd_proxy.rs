@@ -631,10 +631,11 @@ async fn flagd_proxy_and_the_broker_deliver_the_same_history() {
         let (_, body) = flagd.evaluate("f").await.unwrap();
         assert_eq!(body["value"], json!(true), "the edit, evaluated: {body}");
     }
-    for provider in [&mut providers.0, &mut providers.1] {
-        let details = provider.details("f").await;
-        assert_eq!(details[0], json!(true), "the edit, evaluated: {details}");
-    }
+    // The Python provider behind flagd-proxy may not be back: with its default keepalive (0,
+    // which grpcio takes as 1 ms) it can get GOAWAY `too_many_pings` from flagd-proxy's Go
+    // server, and then backs off (a difference the guide lists). Behind the broker it must be.
+    let details = providers.1.details("f").await;
+    assert_eq!(details[0], json!(true), "the edit, evaluated: {details}");
 
     // Last, as it may wedge flagd-proxy: a FeatureFlag subscribed to before it exists
     // (flagd#2030), then created; new subscribers once it exists; and after a restart.
@@ -673,11 +674,12 @@ async fn flagd_proxy_and_the_broker_deliver_the_same_history() {
         undocumented.is_empty(),
         "differences docs/migrating-from-flagd-proxy.md does not list: {undocumented:#?}"
     );
-    // What must differ, by design, on every run.
-    for by_design in [
-        "deleted: flagd.sync.v1: flagd-proxy nothing / the broker {\"flags\":{}}",
-        "a malformed selector: flagd.sync.v1: flagd-proxy ended Unknown / the broker ended InvalidArgument",
-    ] {
-        assert!(found.contains(by_design), "{by_design}");
-    }
+    // What must differ, by design, on every run: flagd-proxy ends a malformed selector's stream
+    // with UNKNOWN, or (a race of its own) leaves it with nothing.
+    let deleted = "deleted: flagd.sync.v1: flagd-proxy nothing / the broker {\"flags\":{}}";
+    assert!(found.contains(deleted), "{deleted}");
+    let malformed = ["ended Unknown", "nothing"].map(|proxy| {
+        format!("a malformed selector: flagd.sync.v1: flagd-proxy {proxy} / the broker ended InvalidArgument")
+    });
+    assert!(malformed.iter().any(|m| found.contains(m)), "{malformed:?}");
 }

@@ -48,10 +48,6 @@ async fn seen(s: &mut tonic::Streaming<pb::SubscribeResponse>) -> (Event, String
     (r.event(), name)
 }
 
-fn relabel(app: &str) -> serde_json::Value {
-    json!({ "metadata": { "labels": { "app": app } } })
-}
-
 #[tokio::test]
 async fn a_set_streams_its_members_then_synced_then_each_change() {
     let h = start(Duration::ZERO).await;

@@ -110,6 +110,10 @@ pub struct Results {
     pub stalled: Option<Stalled>,
     /// Replicas SIGKILLed under load, and a restart storm.
     pub failover: Option<Failover>,
+    /// The same, the subscribers resuming with the version they hold.
+    pub failover_resume: Option<Failover>,
+    /// The same, resuming, with nothing written while they move.
+    pub failover_resume_quiet: Option<Failover>,
     /// TCP connections to the API server, HTTP/1.1 and HTTP/2.
     pub connections: Option<Connections>,
     /// Per-object watches against one namespace watch.
@@ -170,6 +174,8 @@ impl Results {
             identity: None,
             stalled: None,
             failover: None,
+            failover_resume: None,
+            failover_resume_quiet: None,
             connections: None,
             granularity: None,
             incremental: None,
@@ -426,19 +432,33 @@ pub fn markdown(r: &Results) -> String {
         }
         s += "\n";
     }
-    if let Some(f) = &r.failover {
+    let failovers = [&r.failover, &r.failover_resume, &r.failover_resume_quiet];
+    for f in failovers.into_iter().flatten() {
+        let how = match (f.resume, f.quiet_move) {
+            (false, _) => "subscribers subscribing afresh",
+            (true, false) => "subscribers resuming with the version they hold",
+            (true, true) => "subscribers resuming, nothing written while they move",
+        };
         s += &format!(
-            "### Replicas SIGKILLed under load
+            "### Replicas SIGKILLed under load, {how}
 
-{} subscribers on {} CRs over {} replicas, every CR written in turn ({} writes in all). One replica SIGKILLed: its {} subscribers all held a state from another replica {:.2} s later, costing the API server {} LISTs and {} WATCHes (the others already watched every CR). Then every replica killed and a fresh one started: every subscriber held a state from it {:.2} s after it listened, with {}–{} LISTs and {}–{} WATCHes per CR (goal 1 and 1). Subscribers not on their CR's final resourceVersion at the end: {} (goal 0).\n\n",
+{} subscribers on {} CRs over {} replicas, every CR written in turn ({} writes in all). One replica SIGKILLed: its {} subscribers held a state from another replica {:.2} s later at p50, {:.2} s at p99 and {:.2} s for the last, costing the API server {} LISTs and {} WATCHes (the others already watched every CR). They were sent {:.1} KiB meanwhile, {:.4} × their states sent whole ({:.1} KiB); {} began again with CURRENT. The {} whose CR did not change while they moved were sent {:.4} × their states whole. Then every replica killed and a fresh one started: every subscriber held a state from it {:.2} s after it listened, with {}–{} LISTs and {}–{} WATCHes per CR (goal 1 and 1). Subscribers not on their CR's final resourceVersion at the end: {} (goal 0).\n\n",
             f.subscribers,
             f.crs,
             f.replicas,
             f.writes,
             f.moved,
+            f.moved_p50_seconds,
+            f.moved_p99_seconds,
             f.moved_seconds,
             f.moved_lists,
             f.moved_watches,
+            f.moved_bytes as f64 / 1024.0,
+            f.moved_bytes as f64 / f.moved_full_bytes.max(1) as f64,
+            f.moved_full_bytes as f64 / 1024.0,
+            f.moved_current,
+            f.moved_unchanged,
+            f.unchanged_bytes as f64 / f.unchanged_full_bytes.max(1) as f64,
             f.storm_seconds,
             f.storm_lists_per_cr.0,
             f.storm_lists_per_cr.1,

@@ -117,6 +117,27 @@ fn the_smoke_configuration_runs_every_scenario_and_loses_nothing() {
     for verb in ["storm_lists_per_cr", "storm_watches_per_cr"] {
         assert_eq!(failover[verb], serde_json::json!([1, 1]), "{failover}");
     }
+    assert_eq!(failover["moved_current"], 0, "{failover}");
+    // Resuming, each moved subscriber whose CR did not change is told so (all of them when
+    // nothing is written meanwhile), for a fraction of the bytes; afresh, each is sent its state
+    // whole.
+    for key in ["failover_resume", "failover_resume_quiet"] {
+        let resumed = &results[key];
+        assert_eq!(resumed["lost"], 0, "{resumed}");
+        assert_eq!(
+            resumed["moved_current"], resumed["moved_unchanged"],
+            "{resumed}"
+        );
+    }
+    let quiet = &results["failover_resume_quiet"];
+    assert_eq!(quiet["moved_unchanged"], quiet["moved"], "{quiet}");
+    let share = |f: &serde_json::Value| {
+        f["unchanged_bytes"].as_f64().unwrap() / f["unchanged_full_bytes"].as_f64().unwrap()
+    };
+    assert!(share(quiet) < 0.2, "{quiet}");
+    if failover["moved_unchanged"].as_u64().unwrap() > 0 {
+        assert_eq!(share(failover), 1.0, "{failover}");
+    }
     let rows = results["connections"]["rows"].as_array().unwrap();
     let of = |crs: u64, mode: &str| {
         rows.iter()

@@ -432,6 +432,20 @@ pub struct SubscribeArgs {
     /// How to print events.
     #[arg(long, short = 'o', env = "CRD_BROKER_OUTPUT", value_enum, default_value_t = Output::Text)]
     pub output: Output,
+    /// When the stream ends (the broker drains, restarts or is lost), subscribe again with the
+    /// version of each resource last printed: what did not change since comes back as CURRENT,
+    /// with no object. Retries with backoff (0.1 s doubling to 5 s, jittered) until a status
+    /// that is not worth retrying. `--resume=false`: exit when the stream ends.
+    #[arg(
+        long,
+        env = "CRD_BROKER_RESUME",
+        default_value_t = true,
+        action = clap::ArgAction::Set,
+        num_args = 0..=1,
+        default_missing_value = "true",
+        value_name = "BOOL"
+    )]
+    pub resume: bool,
     /// Resources, as <resource>[.<version>].<group>/<namespace>/<name>
     /// (e.g. featureflags.core.openfeature.dev/default/demo), or one set, as
     /// <resource>[.<version>].<group>/<namespace>?labelSelector=<URL-encoded selector>

@@ -32,7 +32,7 @@ fn reference(s: &Selector) -> pb::ResourceRef {
         resource: s.kind.resource.clone(),
         namespace: s.namespace.clone().unwrap_or_default(),
         name: s.name.clone(),
-        label_selector: String::new(),
+        ..Default::default()
     }
 }
 
@@ -59,8 +59,8 @@ pub fn request_for(targets: &[Target]) -> pb::SubscribeRequest {
                     version: kind.version.clone().unwrap_or_default(),
                     resource: kind.resource.clone(),
                     namespace: namespace.clone().unwrap_or_default(),
-                    name: String::new(),
                     label_selector: labels.clone(),
+                    ..Default::default()
                 },
             })
             .collect(),
@@ -76,6 +76,7 @@ fn event_name(e: Event) -> &'static str {
         Event::Failed => "FAILED",
         Event::Added => "ADDED",
         Event::Synced => "SYNCED",
+        Event::Current => "CURRENT",
         Event::Unspecified => "UNSPECIFIED",
     }
 }
@@ -90,6 +91,13 @@ fn record(response: &pb::SubscribeResponse) -> Value {
             "selector": response.selector,
             "code": format!("{:?}", tonic::Code::from_i32(response.error_code)),
             "message": response.error_message,
+        });
+    }
+    if response.event() == Event::Synced {
+        return json!({
+            "event": event,
+            "selector": response.selector,
+            "setVersion": response.set_version,
         });
     }
     let object: Value = serde_json::from_slice(&response.object).unwrap_or(Value::Null);
@@ -112,15 +120,14 @@ pub fn format(response: &pb::SubscribeResponse, output: Output) -> String {
             tonic::Code::from_i32(response.error_code),
             response.error_message
         ),
-        Output::Text => format!(
-            "{event:<9} {:<60} {}",
-            response.selector,
-            if response.resource_version.is_empty() {
-                "-"
-            } else {
-                &response.resource_version
-            }
-        ),
+        Output::Text => {
+            let version = match response.event() {
+                Event::Synced => &response.set_version,
+                _ => &response.resource_version,
+            };
+            let version = if version.is_empty() { "-" } else { version };
+            format!("{event:<9} {:<60} {version}", response.selector)
+        }
         Output::Json => record(response).to_string(),
         Output::Yaml => {
             let yaml = serde_saphyr::to_string(&record(response)).unwrap_or_default();
@@ -200,7 +207,95 @@ fn bearer(path: &std::path::Path) -> anyhow::Result<MetadataValue<tonic::metadat
     })
 }
 
-/// Subscribes as `args` say and prints every event until the stream ends.
+/// What a client holds, to resume with: the uid and resourceVersion of the last state of each
+/// resource it was sent, or of each member of a set once its SYNCED came.
+#[derive(Debug, Default)]
+pub struct Holdings {
+    /// By index in the request.
+    ones: std::collections::BTreeMap<u32, (String, String)>,
+    /// A set's members by selector.
+    members: std::collections::BTreeMap<String, (String, String)>,
+    /// Whether the set's SYNCED came.
+    synced: bool,
+    /// Whether this stream has sent nothing yet.
+    fresh: bool,
+}
+
+impl Holdings {
+    /// A new stream starts: what it sends first says whether what was held still stands.
+    pub fn start(&mut self) {
+        self.fresh = true;
+    }
+
+    /// Takes in one response.
+    pub fn take(&mut self, r: &pb::SubscribeResponse) {
+        let held = || (r.uid.clone(), r.resource_version.clone());
+        // A set resumed at another version starts again with its members: those held and not
+        // sent again are gone.
+        if std::mem::take(&mut self.fresh) && r.event() != Event::Synced {
+            self.members.clear();
+            self.synced = false;
+        }
+        match r.event() {
+            Event::Snapshot | Event::Updated | Event::Current => {
+                self.ones.insert(r.index, held());
+                self.members.insert(r.selector.clone(), held());
+            }
+            Event::Added => {
+                self.members.insert(r.selector.clone(), held());
+            }
+            Event::Deleted | Event::Absent | Event::Failed => {
+                self.ones.remove(&r.index);
+                self.members.remove(&r.selector);
+            }
+            Event::Synced => self.synced = true,
+            Event::Unspecified => {}
+        }
+    }
+
+    /// The request for `targets` with what is held.
+    pub fn request(&self, targets: &[Target]) -> pb::SubscribeRequest {
+        let mut request = request_for(targets);
+        for (i, r) in request.resources.iter_mut().enumerate() {
+            if r.name.is_empty() {
+                if self.synced {
+                    r.resource_version = crate::grpc::set_version(
+                        self.members
+                            .iter()
+                            .map(|(s, (uid, rv))| (s.as_str(), uid.as_str(), rv.as_str())),
+                    );
+                }
+            } else if let Some((uid, rv)) = self.ones.get(&(i as u32)) {
+                r.uid = uid.clone();
+                r.resource_version = rv.clone();
+            }
+        }
+        request
+    }
+}
+
+/// How long `subscribe --resume` waits before its first try to resume, and at most.
+const RESUME_FIRST: std::time::Duration = std::time::Duration::from_millis(100);
+const RESUME_MOST: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Whether a stream that ended with `code` is resumed: the broker dropped it or could not
+/// take it now, as against a request it refuses.
+fn resumable(code: tonic::Code) -> bool {
+    use tonic::Code::*;
+    matches!(
+        code,
+        Ok | Unavailable
+            | Unknown
+            | Cancelled
+            | DeadlineExceeded
+            | Aborted
+            | ResourceExhausted
+            | Internal
+    )
+}
+
+/// Subscribes as `args` say and prints every event; with `--resume`, resumes when the stream
+/// ends with the versions it was sent, until a status that is not worth retrying.
 pub async fn run(args: SubscribeArgs) -> anyhow::Result<()> {
     let channel = channel(&args).await?;
     let token = args.token_file.as_deref().map(bearer).transpose()?;
@@ -215,24 +310,50 @@ pub async fn run(args: SubscribeArgs) -> anyhow::Result<()> {
             Ok(request)
         },
     );
-    let mut stream = client
-        .subscribe(request_for(&args.selectors))
-        .await
-        .map_err(|s| anyhow::anyhow!("{:?}: {}", s.code(), s.message()))?
-        .into_inner();
     let mut stdout = std::io::stdout().lock();
-    if args.output == Output::Text {
-        writeln!(stdout, "{:<9} {:<60} RESOURCE-VERSION", "EVENT", "SELECTOR")?;
-    }
+    // The header once the broker has taken the request: a refusal prints nothing on stdout.
+    let mut header = args.output == Output::Text;
+    let mut holdings = Holdings::default();
+    let mut wait = RESUME_FIRST;
     loop {
-        match stream.message().await {
-            Ok(Some(response)) => {
-                writeln!(stdout, "{}", format(&response, args.output))?;
-                stdout.flush()?;
+        let request = holdings.request(&args.selectors);
+        let ended = match client.subscribe(request).await {
+            Ok(response) => {
+                let mut stream = response.into_inner();
+                if std::mem::take(&mut header) {
+                    writeln!(stdout, "{:<9} {:<60} RESOURCE-VERSION", "EVENT", "SELECTOR")?;
+                }
+                holdings.start();
+                loop {
+                    match stream.message().await {
+                        Ok(Some(response)) => {
+                            wait = RESUME_FIRST;
+                            holdings.take(&response);
+                            writeln!(stdout, "{}", format(&response, args.output))?;
+                            stdout.flush()?;
+                        }
+                        Ok(None) => break tonic::Status::ok(""),
+                        Err(status) => break status,
+                    }
+                }
             }
-            Ok(None) => return Ok(()),
-            Err(s) => anyhow::bail!("{:?}: {}", s.code(), s.message()),
+            Err(status) => status,
+        };
+        if !args.resume || !resumable(ended.code()) {
+            if ended.code() == tonic::Code::Ok {
+                return Ok(());
+            }
+            anyhow::bail!("{:?}: {}", ended.code(), ended.message());
         }
+        // Equal jitter: clients dropped together do not come back together.
+        let jittered = wait.mul_f64(0.5 + fastrand::f64() * 0.5);
+        eprintln!(
+            "the stream ended ({:?}: {}); resuming in {jittered:?}",
+            ended.code(),
+            ended.message()
+        );
+        tokio::time::sleep(jittered).await;
+        wait = (wait * 2).min(RESUME_MOST);
     }
 }
 

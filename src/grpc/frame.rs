@@ -52,6 +52,29 @@ pub fn encode_absent(selector: &str) -> Bytes {
     .into()
 }
 
+/// The shared fields of a CURRENT response: the selector, and the version the client holds.
+pub fn encode_current(selector: &str, object: &Object) -> Bytes {
+    pb::SubscribeResponse {
+        selector: selector.to_string(),
+        resource_version: object.resource_version.clone(),
+        uid: object.uid.clone(),
+        ..Default::default()
+    }
+    .encode_to_vec()
+    .into()
+}
+
+/// The shared fields of a set's SYNCED response: the set's selector and its members' version.
+pub fn encode_synced(selector: &str, set_version: String) -> Bytes {
+    pb::SubscribeResponse {
+        selector: selector.to_string(),
+        set_version,
+        ..Default::default()
+    }
+    .encode_to_vec()
+    .into()
+}
+
 /// The shared fields of a FAILED response: the selector and the status.
 pub fn encode_failed(selector: &str, status: &tonic::Status) -> Bytes {
     pb::SubscribeResponse {

@@ -28,6 +28,7 @@ pub mod flagd;
 pub mod frame;
 mod messages;
 mod sets;
+pub use sets::set_version;
 pub mod wire;
 
 use frame::Frame;
@@ -272,6 +273,13 @@ impl<S: Source> BrokerService<S> {
             r.label_selector.parse().map_err(|e: String| {
                 Status::invalid_argument(format!("resources[0].label_selector: {e}"))
             })?;
+        resume_bounds(0, r)?;
+        if !r.uid.is_empty() {
+            return Err(Status::invalid_argument(
+                "resources[0].uid is given for a set: a set resumes by the set_version of its last SYNCED, in resource_version",
+            ));
+        }
+        let resume = Some(r.resource_version.clone()).filter(|v| !v.is_empty());
         // A set's kind and namespace are checked as a selector's would be; `*` (every
         // namespace) is no namespace name, so it is put back after the check.
         let all = r.namespace == ALL_NAMESPACES;
@@ -305,7 +313,7 @@ impl<S: Source> BrokerService<S> {
             }
         };
         tracing::debug!(%set, %caller, "set subscribed");
-        Ok(Response::new(sets::stream(set, members, 0, ends)))
+        Ok(Response::new(sets::stream(set, members, 0, ends, resume)))
     }
 }
 
@@ -356,6 +364,12 @@ impl<S: Source> Broker for BrokerService<S> {
             .enumerate()
             .map(|(i, r)| to_selector(i, r))
             .collect::<Result<Vec<_>, _>>()?;
+        let mut held = resources
+            .iter()
+            .enumerate()
+            .map(|(i, r)| held(i, r))
+            .collect::<Result<Vec<_>, _>>()?
+            .into_iter();
         let Admitted {
             canonical,
             subscriptions,
@@ -388,6 +402,7 @@ impl<S: Source> Broker for BrokerService<S> {
                     Arc::from(selector.to_string()),
                     delivery,
                     served.clone(),
+                    held.next().unwrap_or_default(),
                 );
                 let end = End::new(drain.clone(), Some(ticket.clone()));
                 Messages::new(subscription, end, span.clone(), next).boxed()
@@ -584,10 +599,55 @@ pub(crate) enum Sent {
     /// Nothing yet.
     #[default]
     Nothing,
+    /// Nothing yet on this stream; the client says it holds this version (it resumes).
+    Held {
+        /// The uid it holds.
+        uid: String,
+        /// The resourceVersion it holds.
+        resource_version: String,
+    },
     /// That the object exists, in this state.
     Present(Arc<Update>),
     /// That it does not.
     Absent,
+}
+
+/// The longest `resource_version` and `uid` a request may give to resume.
+const MAX_RESUME_VERSION: usize = 256;
+const MAX_RESUME_UID: usize = 128;
+
+/// What the client of `resources[index]` says it holds: [`Sent::Held`] when it gives a version
+/// to resume from, else [`Sent::Nothing`]; INVALID_ARGUMENT for one over the bounds or a uid
+/// without a resource_version.
+fn held(index: usize, r: &pb::ResourceRef) -> Result<Sent, Status> {
+    resume_bounds(index, r)?;
+    if r.resource_version.is_empty() {
+        if !r.uid.is_empty() {
+            return Err(Status::invalid_argument(format!(
+                "resources[{index}].uid is given without resource_version: a resumed resource names both"
+            )));
+        }
+        return Ok(Sent::Nothing);
+    }
+    Ok(Sent::Held {
+        uid: r.uid.clone(),
+        resource_version: r.resource_version.clone(),
+    })
+}
+
+fn resume_bounds(index: usize, r: &pb::ResourceRef) -> Result<(), Status> {
+    for (field, value, max) in [
+        ("resource_version", &r.resource_version, MAX_RESUME_VERSION),
+        ("uid", &r.uid, MAX_RESUME_UID),
+    ] {
+        if value.len() > max {
+            return Err(Status::invalid_argument(format!(
+                "resources[{index}].{field} has {} bytes; at most {max}",
+                value.len()
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// The next event to send, given what was sent and the latest state.
@@ -596,6 +656,8 @@ pub(crate) enum Step {
     Skip,
     /// Send this event about this object (`None`: ABSENT, no object).
     Send(Event, Option<Arc<Update>>),
+    /// Send CURRENT: the object is as the client holds it.
+    Current(Arc<Update>),
     /// End the stream with this error.
     Fail(SourceError),
 }
@@ -606,8 +668,8 @@ pub(crate) fn step(sent: &Sent, state: &State) -> Step {
     match (state, sent) {
         (State::Pending, _) => Step::Skip,
         // The source retries: the subscriber waits for its answer.
-        (State::Failed(e), Sent::Nothing) if e.is_outage() => Step::Skip,
-        (State::Failed(e), Sent::Nothing) => Step::Fail(e.clone()),
+        (State::Failed(e), Sent::Nothing | Sent::Held { .. }) if e.is_outage() => Step::Skip,
+        (State::Failed(e), Sent::Nothing | Sent::Held { .. }) => Step::Fail(e.clone()),
         // The kind is no longer served: the last state sent will not change again.
         (State::Failed(e), _) if e.is_gone() => Step::Fail(e.clone()),
         (State::Failed(_), _) => Step::Skip,
@@ -619,9 +681,20 @@ pub(crate) fn step(sent: &Sent, state: &State) -> Step {
                 Step::Send(Event::Updated, Some(now.clone()))
             }
         }
+        (
+            State::Present(now),
+            Sent::Held {
+                uid,
+                resource_version,
+            },
+        ) if now.object.uid == *uid && now.object.resource_version == *resource_version => {
+            Step::Current(now.clone())
+        }
         (State::Present(now), _) => Step::Send(Event::Snapshot, Some(now.clone())),
         (State::Absent { .. }, Sent::Absent) => Step::Skip,
-        (State::Absent { .. }, Sent::Nothing) => Step::Send(Event::Absent, None),
+        (State::Absent { .. }, Sent::Nothing | Sent::Held { .. }) => {
+            Step::Send(Event::Absent, None)
+        }
         (State::Absent { last }, Sent::Present(was)) => Step::Send(
             Event::Deleted,
             Some(last.clone().unwrap_or_else(|| was.clone())),
@@ -629,19 +702,33 @@ pub(crate) fn step(sent: &Sent, state: &State) -> Step {
     }
 }
 
-/// What a native subscriber is sent about one resource: its state at once, then each change.
-/// `served` is shared by the parts of one stream: once one has sent, a part that fails says so
-/// in a FAILED event instead of ending the others' stream.
+/// What a native subscriber is sent about one resource: its state at once (CURRENT if it is
+/// the version `held`), then each change. `served` is shared by the parts of one stream: once
+/// one has sent, a part that fails says so in a FAILED event instead of ending the others'
+/// stream.
 fn native_messages(
     index: u32,
     selector: Arc<str>,
     mut delivery: Delivery,
     served: Arc<AtomicBool>,
+    held: Sent,
 ) -> impl FnMut(&State) -> Next<Frame> + Send + Unpin + 'static {
-    let mut sent = Sent::Nothing;
+    let mut sent = held;
     let mut failed: Option<SourceError> = None;
     move |state| match step(&sent, state) {
         Step::Skip => Next::Wait,
+        Step::Current(update) => {
+            served.store(true, Ordering::Release);
+            failed = None;
+            delivery.sent(Some(&update));
+            let shared = frame::encode_current(&selector, &update.object);
+            sent = Sent::Present(update);
+            Next::Send(Frame {
+                index,
+                event: Event::Current,
+                shared,
+            })
+        }
         Step::Fail(error) if served.load(Ordering::Acquire) => {
             if failed.as_ref() == Some(&error) {
                 return Next::Wait;

@@ -19,12 +19,33 @@ use crate::pb::subscribe_response::Event;
 use crate::registry::{Members, Subscription, Update};
 use crate::source::Set;
 
-/// One subscriber's stream of `set`, at `index` of its request.
+/// The version of a set's members, as SYNCED carries it (`SubscribeResponse.set_version`): the
+/// FNV-1a 64-bit hash, as 16 lowercase hex digits, of each member's
+/// `<selector>\n<uid>\n<resource_version>\n` in byte order of the selectors. The same on every
+/// replica for the same members, and computable by a client from the members it holds.
+pub fn set_version<'a>(members: impl IntoIterator<Item = (&'a str, &'a str, &'a str)>) -> String {
+    let mut members: Vec<(&str, &str, &str)> = members.into_iter().collect();
+    members.sort_unstable();
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for (selector, uid, resource_version) in members {
+        for part in [selector, uid, resource_version] {
+            for byte in part.bytes().chain([b'\n']) {
+                hash ^= u64::from(byte);
+                hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
+            }
+        }
+    }
+    format!("{hash:016x}")
+}
+
+/// One subscriber's stream of `set`, at `index` of its request; `resume` is the set version the
+/// client holds, if it gives one.
 pub(crate) fn stream(
     set: Set,
     members: Subscription<Members>,
     index: u32,
     ends: impl std::future::Future<Output = Status> + Send + 'static,
+    resume: Option<String>,
 ) -> BoxStream<'static, Result<Frame, Status>> {
     struct View {
         set: Set,
@@ -32,6 +53,7 @@ pub(crate) fn stream(
         sent: BTreeMap<String, Arc<Update>>,
         synced: bool,
         queue: VecDeque<Frame>,
+        resume: Option<String>,
     }
     impl View {
         fn frame(&self, event: Event, name: &str, update: &Update) -> Frame {
@@ -45,10 +67,45 @@ pub(crate) fn stream(
             }
         }
 
+        /// The version of `members`, as their selectors name them.
+        fn version(&self, members: &Members) -> String {
+            let selectors: Vec<(String, &Update)> = members
+                .objects
+                .iter()
+                .map(|(name, u)| (self.set.member(name).to_string(), &**u))
+                .collect();
+            set_version(selectors.iter().map(|(selector, u)| {
+                (
+                    selector.as_str(),
+                    u.object.uid.as_str(),
+                    u.object.resource_version.as_str(),
+                )
+            }))
+        }
+
+        fn synced(&mut self, version: String) {
+            self.synced = true;
+            let frame = Frame {
+                index: self.index,
+                event: Event::Synced,
+                shared: frame::encode_synced(&self.set.to_string(), version),
+            };
+            self.queue.push_back(frame);
+        }
+
         /// Queues what tells this subscriber's view apart from `members`.
         fn catch_up(&mut self, members: &Members) {
             if !members.synced {
                 return;
+            }
+            if let Some(resume) = self.resume.take() {
+                let version = self.version(members);
+                if version == resume {
+                    // The client holds these members: it is told so, and changes follow.
+                    self.sent = (*members.objects).clone();
+                    self.synced(version);
+                    return;
+                }
             }
             let (first, then) = if self.synced {
                 (Event::Added, Event::Updated)
@@ -82,13 +139,8 @@ pub(crate) fn stream(
                 self.sent.insert(name.clone(), update.clone());
             }
             if !self.synced {
-                self.synced = true;
-                let frame = Frame {
-                    index: self.index,
-                    event: Event::Synced,
-                    shared: frame::encode_absent(&self.set.to_string()),
-                };
-                self.queue.push_back(frame);
+                let version = self.version(members);
+                self.synced(version);
             }
         }
     }
@@ -98,6 +150,7 @@ pub(crate) fn stream(
         sent: BTreeMap::new(),
         synced: false,
         queue: VecDeque::new(),
+        resume,
     };
     let ends = Box::pin(ends);
     let frames = futures::stream::unfold(
@@ -194,6 +247,7 @@ mod tests {
                 registry.subscribe(&set),
                 0,
                 std::future::pending(),
+                None,
             );
             let sent: Vec<Frame> = s.take(4).map(Result::unwrap).collect().await;
             frames.push(sent);

@@ -259,6 +259,11 @@ pub fn secrets_crd() -> Value {
     })
 }
 
+/// A merge patch that labels an object `app=<app>`.
+pub fn relabel(app: &str) -> Value {
+    json!({ "metadata": { "labels": { "app": app } } })
+}
+
 pub fn variant_patch(variant: &str) -> Value {
     json!({ "spec": { "flagSpec": { "flags": { "f": { "defaultVariant": variant } } } } })
 }

@@ -4,14 +4,18 @@
 //! replica is killed while every CR is written: its subscribers move to the other two, which
 //! already watch every CR. Then every replica is killed and one fresh replica takes all the
 //! subscribers at once, a restart storm. At the end every subscriber must hold its CR's final
-//! resourceVersion.
+//! resourceVersion. It runs twice: subscribers that subscribe afresh, and subscribers that resume
+//! with the uid and resourceVersion they hold (ADR 0026), for the bytes the move costs.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
+use crd_broker::pb;
 use crd_broker::pb::broker_client::BrokerClient;
+use crd_broker::pb::subscribe_response::Event;
 use fake_apiserver::FakeApiServer;
+use prost::Message;
 use serde::Serialize;
 use serde_json::json;
 use tokio::sync::RwLock;
@@ -35,6 +39,10 @@ pub struct Failover {
     pub moved: usize,
     /// Seconds from the kill until the last of them held a state from another replica.
     pub moved_seconds: f64,
+    /// Seconds from the kill until half of them, and 99 %, did.
+    pub moved_p50_seconds: f64,
+    /// See `moved_p50_seconds`.
+    pub moved_p99_seconds: f64,
     /// LISTs and WATCHes the API server saw while they moved (the survivors already watched
     /// every CR: goal 0 and 0).
     pub moved_lists: usize,
@@ -50,6 +58,24 @@ pub struct Failover {
     pub writes: u64,
     /// Subscribers not on their CR's final resourceVersion at the end (goal 0).
     pub lost: usize,
+    /// Whether the subscribers resume with the version they hold.
+    pub resume: bool,
+    /// Whether the writes paused while the killed replica's subscribers moved.
+    pub quiet_move: bool,
+    /// Bytes the moved subscribers were sent from the kill until the last of them was served
+    /// again (gRPC messages with their 5-byte prefixes).
+    pub moved_bytes: u64,
+    /// What their states cost sent whole: each moved subscriber's last state's message.
+    pub moved_full_bytes: u64,
+    /// Moved subscribers whose first message on another replica was CURRENT.
+    pub moved_current: usize,
+    /// Moved subscribers whose CR did not change while they moved (their first message on
+    /// another replica was of the state they held).
+    pub moved_unchanged: usize,
+    /// The bytes of those subscribers' first messages on another replica.
+    pub unchanged_bytes: u64,
+    /// What those first messages cost as whole states.
+    pub unchanged_full_bytes: u64,
 }
 
 /// No replica: a subscriber between streams.
@@ -60,11 +86,26 @@ const NONE: usize = usize::MAX;
 type Pool = RwLock<Vec<(usize, Vec<Channel>)>>;
 
 /// What each subscriber holds: the replica its stream is on, when that stream's first message
-/// came, and the resourceVersion of the last state.
+/// came, the resourceVersion of the last state, its uid, and its message's size; and what the
+/// moved subscribers were sent while they moved.
 struct Seen {
     replica: Vec<AtomicUsize>,
     served_at: Vec<AtomicU64>,
     rv: Vec<AtomicU64>,
+    uid: Vec<std::sync::Mutex<String>>,
+    state_bytes: Vec<AtomicU64>,
+    /// Whether the subscriber was on the replica killed.
+    moving: Vec<std::sync::atomic::AtomicBool>,
+    /// Bytes sent to the moving subscribers, and how many began again with CURRENT.
+    moved_bytes: AtomicU64,
+    moved_current: AtomicUsize,
+    /// The resourceVersion each held when its replica was killed.
+    rv_at_kill: Vec<AtomicU64>,
+    /// Moving subscribers whose first message was of the state they held, that message's bytes,
+    /// and what it would have cost whole.
+    unchanged: AtomicUsize,
+    unchanged_bytes: AtomicU64,
+    unchanged_full_bytes: AtomicU64,
 }
 
 impl Seen {
@@ -73,7 +114,31 @@ impl Seen {
             replica: (0..n).map(|_| AtomicUsize::new(NONE)).collect(),
             served_at: (0..n).map(|_| AtomicU64::new(0)).collect(),
             rv: (0..n).map(|_| AtomicU64::new(0)).collect(),
+            uid: (0..n).map(|_| std::sync::Mutex::default()).collect(),
+            state_bytes: (0..n).map(|_| AtomicU64::new(0)).collect(),
+            moving: (0..n).map(|_| Default::default()).collect(),
+            moved_bytes: AtomicU64::new(0),
+            moved_current: AtomicUsize::new(0),
+            rv_at_kill: (0..n).map(|_| AtomicU64::new(0)).collect(),
+            unchanged: AtomicUsize::new(0),
+            unchanged_bytes: AtomicU64::new(0),
+            unchanged_full_bytes: AtomicU64::new(0),
         }
+    }
+
+    /// The request of subscriber `slot` for `name`: with the version it holds, if it resumes.
+    fn request(&self, slot: usize, name: &str, resume: bool) -> pb::SubscribeRequest {
+        let mut request = clients::subscribe_request(name);
+        let uid = self.uid[slot]
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone();
+        if resume && !uid.is_empty() {
+            request.resources[0].uid = uid;
+            request.resources[0].resource_version =
+                self.rv[slot].load(Ordering::Relaxed).to_string();
+        }
+        request
     }
 
     fn on(&self, replica: usize) -> usize {
@@ -92,6 +157,7 @@ async fn roam(
     slot: usize,
     mut turn: usize,
     seen: Arc<Seen>,
+    resume: bool,
     stop: tokio_util_like::Stop,
 ) {
     loop {
@@ -104,7 +170,7 @@ async fn roam(
         };
         turn += 1;
         if let Some((id, channel)) = picked {
-            follow(id, channel, &name, slot, &seen, &stop).await;
+            follow(id, channel, &name, slot, &seen, resume, &stop).await;
         }
         seen.replica[slot].store(NONE, Ordering::Relaxed);
         // A short, spread pause before the next try, as a client's backoff would have.
@@ -122,10 +188,12 @@ async fn follow(
     name: &str,
     slot: usize,
     seen: &Seen,
+    resume: bool,
     stop: &tokio_util_like::Stop,
 ) {
     let mut client = BrokerClient::new(channel);
-    let Ok(response) = client.subscribe(clients::subscribe_request(name)).await else {
+    let request = seen.request(slot, name, resume);
+    let Ok(response) = client.subscribe(request).await else {
         return;
     };
     let mut stream = response.into_inner();
@@ -136,7 +204,30 @@ async fn follow(
             m = stream.message() => m,
         };
         let Ok(Some(m)) = message else { return };
-        if let Ok(rv) = m.resource_version.parse() {
+        let bytes = m.encoded_len() as u64 + 5;
+        let moving = seen.moving[slot].load(Ordering::Relaxed);
+        if moving {
+            seen.moved_bytes.fetch_add(bytes, Ordering::Relaxed);
+        }
+        let rv: u64 = m.resource_version.parse().unwrap_or(0);
+        if moving && first && rv == seen.rv_at_kill[slot].load(Ordering::Relaxed) {
+            seen.unchanged.fetch_add(1, Ordering::Relaxed);
+            seen.unchanged_bytes.fetch_add(bytes, Ordering::Relaxed);
+            let whole = seen.state_bytes[slot].load(Ordering::Relaxed);
+            seen.unchanged_full_bytes
+                .fetch_add(whole, Ordering::Relaxed);
+        }
+        if m.event() == Event::Current {
+            if moving && first {
+                seen.moved_current.fetch_add(1, Ordering::Relaxed);
+            }
+        } else if !m.object.is_empty() {
+            seen.state_bytes[slot].store(bytes, Ordering::Relaxed);
+            *seen.uid[slot]
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner) = m.uid.clone();
+        }
+        if rv != 0 {
             seen.rv[slot].store(rv, Ordering::Relaxed);
         }
         if std::mem::take(&mut first) {
@@ -171,8 +262,9 @@ async fn write(
     }
 }
 
-/// Runs the scenario.
-pub async fn failover(run: &Run) -> anyhow::Result<Failover> {
+/// Runs the scenario, with subscribers that resume (`resume`) or subscribe afresh; with the
+/// writes paused while the killed replica's subscribers move (`quiet`).
+pub async fn failover(run: &Run, resume: bool, quiet: bool) -> anyhow::Result<Failover> {
     const REPLICAS: usize = 3;
     let (fake, dir) = crate::fixtures::fake(run.crs, run.payload_bytes).await?;
     let fake = Arc::new(fake);
@@ -204,6 +296,7 @@ pub async fn failover(run: &Run) -> anyhow::Result<Failover> {
             slot,
             turn,
             seen.clone(),
+            resume,
             stop.clone(),
         ));
     }
@@ -222,13 +315,33 @@ pub async fn failover(run: &Run) -> anyhow::Result<Failover> {
         all_served(&[0, 1, 2]),
     )
     .await?;
-    let (stop_writes, writes_stop) = tokio_util_like::signal();
-    let writer = tokio::spawn(write(fake.clone(), run.crs, run.rate, writes_stop));
+    let writing = || {
+        let (stop_writes, writes_stop) = tokio_util_like::signal();
+        let writer = tokio::spawn(write(fake.clone(), run.crs, run.rate, writes_stop));
+        (stop_writes, writer)
+    };
+    let (mut stop_writes, mut writer) = writing();
     tokio::time::sleep(Duration::from_secs(1)).await;
+    let mut writes = 0;
+    if quiet {
+        // Nothing changes while they move: every subscriber on its CR's last state first.
+        stop_writes.stop();
+        writes += (&mut writer).await.unwrap_or(0);
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
 
     // One replica is SIGKILLed and leaves the address list, as its endpoint would.
     fake.clear_requests();
     let moved = seen.on(0);
+    let mut moved_full_bytes = 0;
+    for slot in 0..n {
+        if seen.replica[slot].load(Ordering::Relaxed) == 0 {
+            let held = seen.rv[slot].load(Ordering::Relaxed);
+            seen.rv_at_kill[slot].store(held, Ordering::Relaxed);
+            seen.moving[slot].store(true, Ordering::Relaxed);
+            moved_full_bytes += seen.state_bytes[slot].load(Ordering::Relaxed);
+        }
+    }
     pool.write().await.retain(|(id, _)| *id != 0);
     let killed_at = now_nanos();
     replicas.remove(0).stop().await;
@@ -239,6 +352,30 @@ pub async fn failover(run: &Run) -> anyhow::Result<Failover> {
     )
     .await?;
     let moved_seconds = last_served_after(&seen, killed_at);
+    let mut served: Vec<f64> = (0..n)
+        .filter(|&slot| seen.moving[slot].load(Ordering::Relaxed))
+        .map(|slot| {
+            let at = seen.served_at[slot].load(Ordering::Relaxed);
+            at.saturating_sub(killed_at) as f64 / 1e9
+        })
+        .collect();
+    served.sort_by(f64::total_cmp);
+    let quantile = |q: f64| {
+        let i = ((served.len() as f64 * q).ceil() as usize).saturating_sub(1);
+        served.get(i).copied().unwrap_or(0.0)
+    };
+    let (moved_p50_seconds, moved_p99_seconds) = (quantile(0.5), quantile(0.99));
+    for moving in &seen.moving {
+        moving.store(false, Ordering::Relaxed);
+    }
+    let moved_bytes = seen.moved_bytes.load(Ordering::Relaxed);
+    let moved_current = seen.moved_current.load(Ordering::Relaxed);
+    if quiet {
+        (stop_writes, writer) = writing();
+    }
+    let moved_unchanged = seen.unchanged.load(Ordering::Relaxed);
+    let unchanged_bytes = seen.unchanged_bytes.load(Ordering::Relaxed);
+    let unchanged_full_bytes = seen.unchanged_full_bytes.load(Ordering::Relaxed);
     let moved_lists = requests_per_cr(&fake, run.crs, "list").iter().sum();
     let moved_watches = requests_per_cr(&fake, run.crs, "watch").iter().sum();
 
@@ -266,7 +403,7 @@ pub async fn failover(run: &Run) -> anyhow::Result<Failover> {
     .await?;
     let storm_seconds = last_served_after(&seen, started);
     stop_writes.stop();
-    let writes = writer.await.unwrap_or(0);
+    writes += writer.await.unwrap_or(0);
     let storm_lists_per_cr = least_and_most(&requests_per_cr(&fake, run.crs, "list"));
     let storm_watches_per_cr = least_and_most(&requests_per_cr(&fake, run.crs, "watch"));
 
@@ -299,6 +436,8 @@ pub async fn failover(run: &Run) -> anyhow::Result<Failover> {
         replicas: REPLICAS,
         moved,
         moved_seconds,
+        moved_p50_seconds,
+        moved_p99_seconds,
         moved_lists,
         moved_watches,
         storm_seconds,
@@ -306,6 +445,14 @@ pub async fn failover(run: &Run) -> anyhow::Result<Failover> {
         storm_watches_per_cr,
         writes,
         lost,
+        resume,
+        quiet_move: quiet,
+        moved_bytes,
+        moved_full_bytes,
+        moved_current,
+        moved_unchanged,
+        unchanged_bytes,
+        unchanged_full_bytes,
     })
 }
 

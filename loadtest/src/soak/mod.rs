@@ -231,7 +231,11 @@ async fn subscriber(subs: Arc<Subscribers>, i: usize, channel: Channel) {
                         held.rv = m.resource_version.parse().unwrap_or(0);
                     }
                     Event::Deleted | Event::Absent => held.present = false,
-                    Event::Failed | Event::Unspecified | Event::Added | Event::Synced => {}
+                    Event::Failed
+                    | Event::Unspecified
+                    | Event::Added
+                    | Event::Synced
+                    | Event::Current => {}
                 }
             }
         }
