@@ -709,14 +709,18 @@ async fn a_set_selector_serves_the_merged_flags_of_its_feature_flags_in_name_ord
     assert_eq!(keys, ["v", "w", "y", "z"], "{every}");
 }
 
-/// A set's SyncFlags request asking for incremental updates (`value` of the header).
-fn incremental_request(set: &str, value: &str) -> tonic::Request<flagd::SyncFlagsRequest> {
-    let mut request = sync_request(Some(set), "");
+/// `request` with the incremental-updates header set to `value`.
+fn incremental<T>(mut request: tonic::Request<T>, value: &str) -> tonic::Request<T> {
     request.metadata_mut().insert(
         crd_broker::grpc::flagd::INCREMENTAL_HEADER,
         value.parse().unwrap(),
     );
     request
+}
+
+/// A set's SyncFlags request asking for incremental updates (`value` of the header).
+fn incremental_request(set: &str, value: &str) -> tonic::Request<flagd::SyncFlagsRequest> {
+    incremental(sync_request(Some(set), ""), value)
 }
 
 #[tokio::test]
@@ -772,14 +776,11 @@ async fn incremental_updates_send_only_the_feature_flag_that_changed_and_name_on
     );
 
     // FetchAllFlags with the header: every flag set in one configuration, as a first message.
-    let mut fetch = tonic::Request::new(flagd::FetchAllFlagsRequest {
+    let fetch = flagd::FetchAllFlagsRequest {
         provider_id: String::new(),
         selector: set.into(),
-    });
-    fetch.metadata_mut().insert(
-        crd_broker::grpc::flagd::INCREMENTAL_HEADER,
-        "true".parse().unwrap(),
-    );
+    };
+    let fetch = incremental(tonic::Request::new(fetch), "true");
     let fetched: Value = serde_json::from_str(
         &client
             .fetch_all_flags(fetch)
@@ -819,14 +820,11 @@ async fn incremental_updates_send_only_the_feature_flag_that_changed_and_name_on
     let mut legacy = LegacyClient::connect(format!("http://{}", h.broker.addr))
         .await
         .unwrap();
-    let mut request = tonic::Request::new(legacy::SyncFlagsRequest {
+    let request = legacy::SyncFlagsRequest {
         provider_id: String::new(),
         selector: set.into(),
-    });
-    request.metadata_mut().insert(
-        crd_broker::grpc::flagd::INCREMENTAL_HEADER,
-        "true".parse().unwrap(),
-    );
+    };
+    let request = incremental(tonic::Request::new(request), "true");
     let status = legacy.sync_flags(request).await.unwrap_err();
     assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
     h.fake

@@ -339,7 +339,7 @@ impl Held {
         match last_gone {
             Some(id) => {
                 self.sent.remove(&id);
-                out.push(removal(&id, &config[1..config.len()]));
+                out.push(removal(&id, &config[1..]));
             }
             None => {
                 config.push('}');
