@@ -85,6 +85,7 @@ impl World {
     /// A plane of its own (kube-apiserver with `flags`), the broker deployed with `values`
     /// overlaid, and every subscriber holding its widget.
     async fn new(test: &str, flags: &[&str], values: Value) -> World {
+        show_panics_in_place();
         let turn = PLANES.acquire().await.unwrap();
         let flags: Vec<String> = flags.iter().map(|f| f.to_string()).collect();
         let plane = tokio::task::spawn_blocking(move || {

@@ -725,6 +725,24 @@ pub fn demo_manifest() -> Value {
     crd_broker::yaml::from_str(&text).unwrap()
 }
 
+/// Makes a panic show at once on the process's standard error, besides the test's captured
+/// output: a failure among child processes' logs then reads in place, also where only a part
+/// of a long output is kept (a CI excerpt). Installed once per process.
+pub fn show_panics_in_place() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let previous = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            use std::io::Write;
+            let thread = std::thread::current();
+            let name = thread.name().unwrap_or("a test");
+            // Not captured by the test harness: straight to the file descriptor.
+            let _ = writeln!(std::io::stderr(), "PANIC in {name}: {info}");
+            previous(info);
+        }));
+    });
+}
+
 /// Polls `done` every 50 ms until it holds, failing with `what` after `within`: how long it took.
 pub async fn eventually(
     what: &str,
