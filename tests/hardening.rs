@@ -317,6 +317,89 @@ async fn streams_per_caller_are_limited_per_caller() {
 }
 
 #[tokio::test]
+async fn new_streams_over_the_brokers_pace_are_refused_with_a_time_to_try_again() {
+    let fake = fake().await;
+    fake.apply(flag("demo", "on")).unwrap();
+    // One new stream every two seconds for the whole broker.
+    let config = crd_broker::broker::Config {
+        access: Settings {
+            limits: limits::Config {
+                max_new_streams_per_second: 0.5,
+                ..limits::Config::default()
+            },
+            ..Settings::default()
+        },
+        ..Default::default()
+    };
+    let listeners = crd_broker::broker::Listeners::tcp(
+        tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap(),
+    );
+    let broker = broker_with(&fake, listeners, config, vec![]);
+    let mut a = connect_from(broker.addr, "127.0.0.2").await;
+    let mut held = subscribe(&mut a, &[&demo("demo")]).await;
+    assert_eq!(next(&mut held).await.event(), Event::Snapshot);
+    let channel = channel_from(broker.addr, "127.0.0.3").await;
+    let mut b = crd_broker::pb::broker_client::BrokerClient::new(channel.clone());
+    let refused = b.subscribe(request(&[&demo("demo")])).await.unwrap_err();
+    assert_status(
+        &refused,
+        Code::ResourceExhausted,
+        "--max-new-streams-per-second",
+    );
+    let hint = |status: &tonic::Status| -> Duration {
+        let millis = status
+            .metadata()
+            .get(crd_broker::access::RETRY_PUSHBACK)
+            .expect("a time to try again")
+            .to_str()
+            .unwrap()
+            .parse()
+            .unwrap();
+        Duration::from_millis(millis)
+    };
+    let wait = hint(&refused);
+    assert!(wait <= Duration::from_secs(30), "{wait:?}");
+    // Every protocol's new stream counts: flagd's too.
+    let flagd = raw_call(
+        channel,
+        "/flagd.sync.v1.FlagSyncService/SyncFlags",
+        Vec::new(),
+        &[("flagd-selector", "core.openfeature.dev/default/demo")],
+    )
+    .await
+    .unwrap_err();
+    assert_status(
+        &flagd,
+        Code::ResourceExhausted,
+        "--max-new-streams-per-second",
+    );
+    // The stream already open is served meanwhile.
+    fake.merge_patch(GV, "featureflags", "default", "demo", variant_patch("off"))
+        .unwrap();
+    assert!(is(&next(&mut held).await, Event::Updated, "off"));
+    // Told when, it gets in then (or is told again, later).
+    let admitted = tokio::time::timeout(Duration::from_secs(10), async {
+        let mut wait = wait;
+        loop {
+            tokio::time::sleep(wait).await;
+            match b.subscribe(request(&[&demo("demo")])).await {
+                Ok(stream) => return stream.into_inner(),
+                Err(again) => wait = hint(&again),
+            }
+        }
+    })
+    .await;
+    let mut admitted = admitted.expect("admitted within 10 s, following the hints");
+    assert_eq!(next(&mut admitted).await.event(), Event::Snapshot);
+    let m = broker.registry.metrics().encode();
+    let hits = m
+        .lines()
+        .find_map(|l| l.strip_prefix(r#"crd_broker_limit_hits_total{limit="new_streams"} "#))
+        .and_then(|v| v.parse::<f64>().ok());
+    assert!(hits >= Some(2.0), "{hits:?}");
+}
+
+#[tokio::test]
 async fn one_caller_keeps_at_most_its_share_of_watches_lingering_ones_too() {
     let fake = fake().await;
     for name in ["a", "b", "c"] {

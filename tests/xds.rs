@@ -193,7 +193,8 @@ async fn grpc_js_over_xds_follows_replicas_as_the_endpoint_slice_changes_and_out
 
 /// `client` (taking TARGET STREAMS REQUEST_HEX MIN_RESOLUTION_MS HOLD_MS, the bootstrap in
 /// `GRPC_XDS_BOOTSTRAP_CONFIG`) over three replicas, then a fourth, one removed, one
-/// terminating, and the one it resolves through drained.
+/// terminating, and the one it resolves through drained; then that one restarted, twice, the
+/// client's ADS stream resuming on it (ADR 0026).
 async fn follows(test: &str, mut client: tokio::process::Command) {
     let _turn = ONE_AT_A_TIME.lock().await;
     let (fake, _dir, kubeconfig) = fake_with_kubeconfig().await;
@@ -272,6 +273,7 @@ async fn follows(test: &str, mut client: tokio::process::Command) {
     // opens no new stream there; then its streams and the client's xDS stream end, and the
     // client goes on with the endpoints it had.
     let server = replicas.remove(0);
+    let first = Xds::of(server.admin).await;
     let pid = server.child.id().unwrap();
     let status = std::process::Command::new("kill")
         .args(["-TERM", &pid.to_string()])
@@ -297,8 +299,91 @@ async fn follows(test: &str, mut client: tokio::process::Command) {
         later - last
     );
     assert!(later - last >= STREAMS as f64, "{last} → {later}");
+
+    // The xDS server comes back at its address, a replica restarted. The client's new ADS
+    // stream names the versions it holds and is sent only what differs: not the Listener nor
+    // the Cluster; the endpoints, since it holds its old server's address DRAINING.
+    let back = Replica::start(&kubeconfig, ip(2), port).await;
+    until(
+        "the client's ADS stream on the restarted replica",
+        async || {
+            let x = Xds::of(back.admin).await;
+            x.resumed[..2] == [1.0, 1.0] && x.responses[2] == 1.0
+        },
+    )
+    .await;
+    let x = Xds::of(back.admin).await;
+    assert_eq!(x.responses, [0.0, 0.0, 1.0], "{x:?}");
+    println!(
+        "{test}: restarted after a drain, the xDS server sent {} bytes where the first sent {} ({x:?})",
+        x.bytes, first.bytes
+    );
+
+    // Killed and restarted: now the client holds what the broker would send, and is sent
+    // nothing. Past gRPC's 15 s does-not-exist timer it still has its Listener, Cluster and
+    // endpoints (its new streams land on the replicas it knows), and then takes a change.
+    let mut back = back;
+    back.child.start_kill().unwrap();
+    back.child.wait().await.unwrap();
+    let again = Replica::start(&kubeconfig, ip(2), port).await;
+    until(
+        "the client's ADS stream resumed on the replica restarted again",
+        async || Xds::of(again.admin).await.resumed == [1.0, 1.0, 1.0],
+    )
+    .await;
+    replicas.push(again);
+    tokio::time::sleep(Duration::from_secs(16)).await;
+    let before = counts(&admins(&replicas)).await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let after = counts(&admins(&replicas)).await;
+    let x = Xds::of(replicas[3].admin).await;
+    let opened: Vec<f64> = after.iter().zip(&before).map(|(a, b)| a - b).collect();
+    println!(
+        "{test}: resumed after a kill, the xDS server sent {} bytes ({x:?}); 16 s on, new streams in 3 s: {opened:?}",
+        x.bytes
+    );
+    assert_eq!((x.responses, x.bytes), ([0.0; 3], 0.0), "{x:?}");
+    // The replicas it knows: the fourth started and the one restarted.
+    assert!(opened[2] + opened[3] >= STREAMS as f64, "{opened:?}");
+    // Back in the slice, the replica removed before takes new streams.
+    fake.apply(replicas_slice(port, &[2, 4, 5], &[])).unwrap();
+    let removed = replicas[1].admin;
+    let frozen = served(removed).await;
+    let took = until("the replica back in the slice takes streams", async || {
+        served(removed).await > frozen
+    })
+    .await;
+    println!("{test}: after the resume, a change took {took:?} to reach the client");
+    assert!(took < Duration::from_secs(2), "{took:?}");
+    assert_eq!(Xds::of(replicas[3].admin).await.responses, [0.0, 0.0, 1.0]);
     drop(client.stdin.take());
     let _ = client.kill().await;
+}
+
+/// A replica's xDS figures, of the Listener, Cluster and endpoints types.
+#[derive(Debug)]
+struct Xds {
+    responses: [f64; 3],
+    resumed: [f64; 3],
+    bytes: f64,
+}
+
+impl Xds {
+    async fn of(admin: SocketAddr) -> Xds {
+        let m = metrics(admin).await;
+        let by_type = |family: &str| {
+            ["listener", "cluster", "endpoints"].map(|t| {
+                m.get(&format!("crd_broker_xds_{family}_total{{type=\"{t}\"}}"))
+                    .copied()
+                    .unwrap_or(0.0)
+            })
+        };
+        Xds {
+            responses: by_type("responses"),
+            resumed: by_type("resumed"),
+            bytes: by_type("response_bytes").iter().sum(),
+        }
+    }
 }
 
 /// The protocol as a raw ADS client sees it, against a broker on the real control plane.
@@ -510,5 +595,47 @@ mod protocol {
         plane.apply(&[at(&[2], &[3])]).await;
         let pushed = ads.next().await;
         assert_eq!(endpoints(&pushed), 2);
+
+        // A new stream naming the versions it holds (a client back from a broken stream) is
+        // sent nothing; then the next change. A fresh stream's first answers are the bytes a
+        // resume saves.
+        drop(held);
+        let again = loop {
+            // The dropped streams leave the caller's count as the server sees them end.
+            match Ads::open(channel.clone()).await {
+                Ok(again) => break again,
+                Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+            }
+        };
+        let mut again = again;
+        for (held, names) in [(&lds, &target), (&cds, &service), (&pushed, &service)] {
+            let resume = DiscoveryRequest {
+                type_url: held.type_url.clone(),
+                resource_names: vec![names.clone()],
+                version_info: held.version_info.clone(),
+                ..Default::default()
+            };
+            again.tx.send(resume).await.unwrap();
+        }
+        assert!(
+            again.quiet(Duration::from_millis(500)).await,
+            "a resumed stream was sent what it holds"
+        );
+        let fresh: usize = [&lds, &cds, &pushed]
+            .iter()
+            .map(|r| prost::Message::encoded_len(*r))
+            .sum();
+        println!("xDS reconnect: {fresh} bytes on a fresh stream, 0 resumed");
+        let m = metrics(broker.admin).await;
+        for r#type in ["listener", "cluster", "endpoints"] {
+            let series = format!(r#"crd_broker_xds_resumed_total{{type="{type}"}}"#);
+            assert_eq!(m.get(&series), Some(&1.0), "{series}");
+        }
+        plane.apply(&[at(&[2, 3], &[])]).await;
+        let change = again.next().await;
+        assert_eq!(
+            (change.type_url.as_str(), endpoints(&change)),
+            (ENDPOINTS, 2)
+        );
     }
 }

@@ -124,6 +124,9 @@ pub struct Run {
     /// Size of each FeatureFlag's JSON, in bytes (padded).
     #[arg(long, default_value_t = 1024)]
     pub payload_bytes: usize,
+    /// Each replica's `--max-new-streams-per-second` in the failover scenario's paced runs.
+    #[arg(long, default_value_t = 1000.0)]
+    pub failover_pace: f64,
     /// Sidecars in the apiserver-cost scenario, one row each.
     #[arg(long, value_delimiter = ',', default_value = "100,1000,5000")]
     pub cost_sidecars: Vec<usize>,
@@ -197,6 +200,7 @@ impl Run {
         self.connections = 6;
         self.crs = 3;
         self.rate = 20.0;
+        self.failover_pace = 8.0;
         self.duration = Duration::from_secs(2);
         self.churn_duration = Duration::from_secs(2);
         self.churn_subscribers = 30;

@@ -114,6 +114,10 @@ pub struct Results {
     pub failover_resume: Option<Failover>,
     /// The same, resuming, with nothing written while they move.
     pub failover_resume_quiet: Option<Failover>,
+    /// The same with flagd sync subscribers, which cannot resume.
+    pub failover_flagd: Option<Failover>,
+    /// The same, the replicas pacing new streams (`--failover-pace`).
+    pub failover_flagd_paced: Option<Failover>,
     /// TCP connections to the API server, HTTP/1.1 and HTTP/2.
     pub connections: Option<Connections>,
     /// Per-object watches against one namespace watch.
@@ -176,6 +180,8 @@ impl Results {
             failover: None,
             failover_resume: None,
             failover_resume_quiet: None,
+            failover_flagd: None,
+            failover_flagd_paced: None,
             connections: None,
             granularity: None,
             incremental: None,
@@ -432,12 +438,27 @@ pub fn markdown(r: &Results) -> String {
         }
         s += "\n";
     }
-    let failovers = [&r.failover, &r.failover_resume, &r.failover_resume_quiet];
+    let failovers = [
+        &r.failover,
+        &r.failover_resume,
+        &r.failover_resume_quiet,
+        &r.failover_flagd,
+        &r.failover_flagd_paced,
+    ];
     for f in failovers.into_iter().flatten() {
-        let how = match (f.resume, f.quiet_move) {
-            (false, _) => "subscribers subscribing afresh",
-            (true, false) => "subscribers resuming with the version they hold",
-            (true, true) => "subscribers resuming, nothing written while they move",
+        let how = match (f.flagd, f.pace > 0.0, f.resume, f.quiet_move) {
+            (true, false, ..) => "flagd sync subscribers".to_string(),
+            (true, true, ..) => format!(
+                "flagd sync subscribers, each replica taking {} new streams a second",
+                f.pace
+            ),
+            (false, _, false, _) => "subscribers subscribing afresh".to_string(),
+            (false, _, true, false) => {
+                "subscribers resuming with the version they hold".to_string()
+            }
+            (false, _, true, true) => {
+                "subscribers resuming, nothing written while they move".to_string()
+            }
         };
         s += &format!(
             "### Replicas SIGKILLed under load, {how}
@@ -465,6 +486,19 @@ pub fn markdown(r: &Results) -> String {
             f.storm_watches_per_cr.0,
             f.storm_watches_per_cr.1,
             f.lost
+        );
+        s += &format!(
+            "While they moved: the survivors refused {} new streams for their pace; their own subscribers were sent writes at p99 {:.3} s (the second before the kill: {:.3} s; the longest wait {:.3} s; {} and {} deliveries); the survivors' busiest 100 ms took {:.2} cores, {:.2} CPU seconds in all, and the larger one's memory went from {:.1} to {:.1} MiB.\n\n",
+            f.refused,
+            f.survivors_move_p99_seconds,
+            f.survivors_usual_p99_seconds,
+            f.survivors_move_max_seconds,
+            f.survivors_move_deliveries,
+            f.survivors_usual_deliveries,
+            f.survivors_cpu_peak_cores,
+            f.survivors_cpu_seconds,
+            f.survivors_rss_before_bytes as f64 / 1048576.0,
+            f.survivors_rss_peak_bytes as f64 / 1048576.0,
         );
     }
     if let Some(c) = &r.churn {

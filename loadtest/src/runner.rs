@@ -72,16 +72,34 @@ pub async fn run_all(run: Run) -> anyhow::Result<()> {
         );
     }
     if run.wants("failover") {
-        // Afresh and resuming while the CRs are written, and resuming while nothing changes.
-        for (resume, quiet) in [(false, false), (true, false), (true, true)] {
-            let row = failover::failover(&run, resume, quiet)
+        // Native subscribers afresh and resuming while the CRs are written, and resuming while
+        // nothing changes; flagd subscribers (which cannot resume), with the replicas pacing
+        // new streams and without.
+        let way = |resume, quiet, flagd, pace| failover::Way {
+            resume,
+            quiet,
+            flagd,
+            pace,
+        };
+        let pace = run.failover_pace;
+        let ways = [
+            (way(false, false, false, 0.0), &mut results.failover),
+            (way(true, false, false, 0.0), &mut results.failover_resume),
+            (
+                way(true, true, false, 0.0),
+                &mut results.failover_resume_quiet,
+            ),
+            (way(false, false, true, 0.0), &mut results.failover_flagd),
+            (
+                way(false, false, true, pace),
+                &mut results.failover_flagd_paced,
+            ),
+        ];
+        for (way, row) in ways {
+            let measured = failover::failover(&run, way)
                 .await
-                .context("the failover scenario")?;
-            match (resume, quiet) {
-                (false, _) => results.failover = Some(row),
-                (true, false) => results.failover_resume = Some(row),
-                (true, true) => results.failover_resume_quiet = Some(row),
-            }
+                .with_context(|| format!("the failover scenario ({way:?})"))?;
+            *row = Some(measured);
         }
     }
     if run.wants("coldstart") {

@@ -138,6 +138,23 @@ fn the_smoke_configuration_runs_every_scenario_and_loses_nothing() {
     if failover["moved_unchanged"].as_u64().unwrap() > 0 {
         assert_eq!(share(failover), 1.0, "{failover}");
     }
+    // flagd sync streams cannot resume: each moved subscriber is sent its configuration whole.
+    // Paced, the survivors refuse some of them, each told when to come back, and lose none.
+    for key in ["failover_flagd", "failover_flagd_paced"] {
+        let flagd = &results[key];
+        assert_eq!(flagd["lost"], 0, "{flagd}");
+        assert!(flagd["moved"].as_u64().unwrap() > 0, "{flagd}");
+        assert!(
+            flagd["survivors_usual_deliveries"].as_u64().unwrap() > 0,
+            "{flagd}"
+        );
+        if flagd["moved_unchanged"].as_u64().unwrap() > 0 {
+            assert_eq!(share(flagd), 1.0, "{flagd}");
+        }
+    }
+    assert_eq!(results["failover_flagd"]["refused"], 0);
+    let paced = &results["failover_flagd_paced"];
+    assert!(paced["refused"].as_u64().unwrap() > 0, "{paced}");
     let rows = results["connections"]["rows"].as_array().unwrap();
     let of = |crs: u64, mode: &str| {
         rows.iter()

@@ -674,9 +674,9 @@ impl Access {
         let slot = self
             .limits
             .admit(caller.limit_key(), new)
-            .map_err(|(limit, why)| {
-                self.count_limit(limit);
-                Status::resource_exhausted(format!("{caller}: {why}"))
+            .map_err(|refused| {
+                self.count_limit(refused.limit);
+                refusal_status(caller, refused)
             })?;
         let revoked = CancellationToken::new();
         let reason = Arc::new(OnceLock::new());
@@ -747,6 +747,23 @@ impl Access {
             }
         }
     }
+}
+
+/// The header in which a stream refused for the broker's pace is told when to try again, in
+/// milliseconds: gRPC's server pushback (gRFC A6), which a client's retry policy follows.
+pub const RETRY_PUSHBACK: &str = "grpc-retry-pushback-ms";
+
+/// RESOURCE_EXHAUSTED for a request the limits refuse, naming the caller and the limit, with
+/// the wait in [`RETRY_PUSHBACK`] where one is known.
+fn refusal_status(caller: &Caller, refused: limits::Refusal) -> Status {
+    let mut status = Status::resource_exhausted(format!("{caller}: {}", refused.why));
+    if let Some(wait) = refused.retry_after {
+        let millis = wait.as_millis().max(1).to_string();
+        if let Ok(value) = millis.parse() {
+            status.metadata_mut().insert(RETRY_PUSHBACK, value);
+        }
+    }
+    status
 }
 
 fn denial_message(caller: &Caller, selector: &Selector) -> String {

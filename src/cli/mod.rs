@@ -402,6 +402,12 @@ pub struct Serve {
     /// New watches one caller may start at once.
     #[arg(long, env = "CRD_BROKER_NEW_WATCH_BURST", default_value_t = limits::DEFAULT_NEW_WATCH_BURST)]
     pub new_watch_burst: f64,
+    /// New streams the whole broker takes per second (every protocol), one second's worth at
+    /// once, and a quarter of that per caller; more are refused with RESOURCE_EXHAUSTED and a
+    /// time to try again (`grpc-retry-pushback-ms`). Paces the herd after a replica's loss; 0:
+    /// no bound.
+    #[arg(long, env = "CRD_BROKER_MAX_NEW_STREAMS_PER_SECOND", default_value_t = limits::DEFAULT_MAX_NEW_STREAMS_PER_SECOND, value_parser = requests_per_second)]
+    pub max_new_streams_per_second: f64,
 }
 
 /// `crd-broker subscribe`.
@@ -616,6 +622,7 @@ impl Serve {
                         n => n,
                     },
                     max_sets_per_caller: self.max_sets_per_caller,
+                    max_new_streams_per_second: self.max_new_streams_per_second,
                 },
                 api: None,
                 client_certificates: self.tls_client_ca.is_some(),

@@ -294,6 +294,19 @@ fn resumable(code: tonic::Code) -> bool {
     )
 }
 
+/// How long the broker said to wait before trying again (`grpc-retry-pushback-ms`), at most a
+/// minute.
+fn pushback(status: &tonic::Status) -> Option<std::time::Duration> {
+    let millis: u64 = status
+        .metadata()
+        .get(crate::access::RETRY_PUSHBACK)?
+        .to_str()
+        .ok()?
+        .parse()
+        .ok()?;
+    Some(std::time::Duration::from_millis(millis.min(60_000)))
+}
+
 /// Subscribes as `args` say and prints every event; with `--resume`, resumes when the stream
 /// ends with the versions it was sent, until a status that is not worth retrying.
 pub async fn run(args: SubscribeArgs) -> anyhow::Result<()> {
@@ -345,8 +358,10 @@ pub async fn run(args: SubscribeArgs) -> anyhow::Result<()> {
             }
             anyhow::bail!("{:?}: {}", ended.code(), ended.message());
         }
-        // Equal jitter: clients dropped together do not come back together.
-        let jittered = wait.mul_f64(0.5 + fastrand::f64() * 0.5);
+        // Equal jitter: clients dropped together do not come back together; or when the
+        // broker said, refusing a new stream for its pace (it spreads those hints itself).
+        let jittered =
+            pushback(&ended).unwrap_or_else(|| wait.mul_f64(0.5 + fastrand::f64() * 0.5));
         eprintln!(
             "the stream ended ({:?}: {}); resuming in {jittered:?}",
             ended.code(),
@@ -360,6 +375,25 @@ pub async fn run(args: SubscribeArgs) -> anyhow::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_refusal_for_the_brokers_pace_is_retried_when_it_says_and_no_later_than_a_minute() {
+        let mut status = tonic::Status::resource_exhausted("paced");
+        assert_eq!(pushback(&status), None);
+        for (header, wait) in [
+            ("250", Some(250)),
+            ("9999999", Some(60_000)),
+            ("soon", None),
+        ] {
+            status
+                .metadata_mut()
+                .insert(crate::access::RETRY_PUSHBACK, header.parse().unwrap());
+            assert_eq!(
+                pushback(&status),
+                wait.map(std::time::Duration::from_millis)
+            );
+        }
+    }
 
     #[test]
     fn a_set_is_asked_for_with_no_name_and_its_label_selector_decoded() {

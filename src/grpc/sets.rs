@@ -16,7 +16,7 @@ use tonic::Status;
 use super::NATIVE_WIRE;
 use super::frame::{self, Frame};
 use crate::pb::subscribe_response::Event;
-use crate::registry::{Members, Subscription, Update};
+use crate::registry::{Members, StableHash, Subscription, Update};
 use crate::source::Set;
 
 /// The version of a set's members, as SYNCED carries it (`SubscribeResponse.set_version`): the
@@ -26,16 +26,14 @@ use crate::source::Set;
 pub fn set_version<'a>(members: impl IntoIterator<Item = (&'a str, &'a str, &'a str)>) -> String {
     let mut members: Vec<(&str, &str, &str)> = members.into_iter().collect();
     members.sort_unstable();
-    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut hash = StableHash::default();
     for (selector, uid, resource_version) in members {
         for part in [selector, uid, resource_version] {
-            for byte in part.bytes().chain([b'\n']) {
-                hash ^= u64::from(byte);
-                hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
-            }
+            hash.write(part.as_bytes());
+            hash.write(b"\n");
         }
     }
-    format!("{hash:016x}")
+    hash.hex()
 }
 
 /// One subscriber's stream of `set`, at `index` of its request; `resume` is the set version the

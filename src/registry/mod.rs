@@ -84,6 +84,33 @@ pub mod slot {
     pub const XDS_ENDPOINTS: usize = 4;
 }
 
+/// FNV-1a, 64 bits: a hash that is the same in every build and on every replica (the standard
+/// library's may change between releases), for the versions replicas must agree on, so that a
+/// client resuming on another replica is recognised there.
+#[derive(Debug, Clone, Copy)]
+pub struct StableHash(u64);
+
+impl Default for StableHash {
+    fn default() -> Self {
+        StableHash(0xcbf2_9ce4_8422_2325)
+    }
+}
+
+impl StableHash {
+    /// Takes in `bytes`.
+    pub fn write(&mut self, bytes: &[u8]) {
+        for byte in bytes {
+            self.0 ^= u64::from(*byte);
+            self.0 = self.0.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+
+    /// The hash, as 16 lowercase hex digits.
+    pub fn hex(&self) -> String {
+        format!("{:016x}", self.0)
+    }
+}
+
 /// An encoded form of an update, with a digest of its bytes for cheap comparisons.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Wire {

@@ -414,3 +414,18 @@ fn sets_holding_one_object_at_one_version_share_its_state() {
     ));
     assert!(shared("f"), "both at version 5 share it again");
 }
+
+#[test]
+fn the_stable_hash_is_fnv_1a_64() {
+    let hex = |parts: &[&[u8]]| {
+        let mut hash = super::StableHash::default();
+        for part in parts {
+            hash.write(part);
+        }
+        hash.hex()
+    };
+    // The published FNV-1a 64 test vectors: the same in every build, on every replica.
+    assert_eq!(hex(&[]), "cbf29ce484222325");
+    assert_eq!(hex(&[b"a"]), "af63dc4c8601ec8c");
+    assert_eq!(hex(&[b"foo", b"bar"]), "85944171f73967e8");
+}

@@ -23,6 +23,9 @@ pub enum Limit {
     SetsPerCaller,
     /// New bearer tokens reviewed per source address.
     TokenReviews,
+    /// `--max-new-streams-per-second`: new streams of the whole broker (or of one caller, a
+    /// quarter of them).
+    NewStreams,
 }
 
 label_values!(Limit {
@@ -33,6 +36,7 @@ label_values!(Limit {
     WatchesPerCaller => "watches_per_caller",
     SetsPerCaller => "sets_per_caller",
     TokenReviews => "token_reviews",
+    NewStreams => "new_streams",
 });
 
 /// Labels of the limit counter.

@@ -266,6 +266,8 @@ mod tests {
             r#"crd_broker_xds_streams 0"#,
             r#"crd_broker_xds_responses_total{type="endpoints"} 0"#,
             r#"crd_broker_xds_nacks_total{type="listener"} 0"#,
+            r#"crd_broker_xds_resumed_total{type="cluster"} 0"#,
+            r#"crd_broker_xds_response_bytes_total{type="route"} 0"#,
             r#"grpc_server_started_total{grpc_service="flagd.sync.v1.FlagSyncService",grpc_method="SyncFlags",grpc_type="server_stream"} 0"#,
             r#"grpc_server_handled_total{grpc_service="crdbroker.v1.Broker",grpc_method="Subscribe",grpc_type="server_stream",grpc_code="Unavailable"} 0"#,
             r#"grpc_server_msg_sent_total{grpc_service="crdbroker.v1.Broker",grpc_method="Subscribe",grpc_type="server_stream"} 0"#,

@@ -1,6 +1,8 @@
-//! The xDS server's families: its streams open, the responses it sent and the ones its clients
-//! refused (NACKs), by resource type. A NACK means a client would not take what the broker
-//! served it, and keeps using what it had before.
+//! The xDS server's families: its streams open, the responses it sent (and their bytes), the
+//! ones its clients refused (NACKs) and the requests it resumed, by resource type. A NACK means a
+//! client would not take what the broker served it, and keeps using what it had before; a
+//! resumed request came on a new stream with the version the broker would send, and was not
+//! answered with the same resources again.
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -49,8 +51,13 @@ pub struct XdsMetrics {
     pub streams: Gauge,
     /// Responses sent, by type.
     pub responses: Family<XdsTypeLabels, Counter>,
+    /// Bytes of the responses sent (their resources, encoded), by type.
+    pub response_bytes: Family<XdsTypeLabels, Counter>,
     /// Responses a client refused (a request with `error_detail`), by type.
     pub nacks: Family<XdsTypeLabels, Counter>,
+    /// Requests opening a type on a new stream with the version the client already holds,
+    /// answered by nothing, by type.
+    pub resumed: Family<XdsTypeLabels, Counter>,
 }
 
 impl XdsMetrics {
@@ -67,10 +74,21 @@ impl XdsMetrics {
             self.responses.clone(),
         );
         registry.register(
+            "xds_response_bytes",
+            "Bytes of the xDS responses sent (their encoded size), by resource type",
+            self.response_bytes.clone(),
+        );
+        registry.register(
             "xds_nacks",
             "xDS responses a client refused (NACK), by resource type: the client keeps what it \
              had before",
             self.nacks.clone(),
+        );
+        registry.register(
+            "xds_resumed",
+            "xDS requests that opened a type on a new stream with the version the client holds, \
+             answered without sending it again, by resource type",
+            self.resumed.clone(),
         );
     }
 
@@ -79,15 +97,24 @@ impl XdsMetrics {
         for r#type in XDS_TYPES {
             let labels = XdsTypeLabels { r#type };
             let _ = self.responses.get_or_create(&labels);
+            let _ = self.response_bytes.get_or_create(&labels);
             let _ = self.nacks.get_or_create(&labels);
+            let _ = self.resumed.get_or_create(&labels);
         }
     }
 
-    /// Counts a response sent of `type`.
-    pub fn responded(&self, r#type: XdsType) {
-        self.responses
-            .get_or_create(&XdsTypeLabels { r#type })
-            .inc();
+    /// Counts a response sent of `type`, of `bytes` encoded.
+    pub fn responded(&self, r#type: XdsType, bytes: usize) {
+        let labels = XdsTypeLabels { r#type };
+        self.responses.get_or_create(&labels).inc();
+        self.response_bytes
+            .get_or_create(&labels)
+            .inc_by(bytes as u64);
+    }
+
+    /// Counts a request of `type` resumed at the version its client holds.
+    pub fn resumed(&self, r#type: XdsType) {
+        self.resumed.get_or_create(&XdsTypeLabels { r#type }).inc();
     }
 
     /// Counts a response of `type` a client refused.

@@ -32,7 +32,7 @@ use tonic::{Request, Response, Status, Streaming};
 
 use crate::access::{Access, Caller};
 use crate::conn::{Peer, PeerAddr, canonical_ip};
-use crate::registry::{Members, Registry, Subscription, Wire, slot};
+use crate::registry::{Members, Registry, StableHash, Subscription, Wire, slot};
 use crate::selector::{KindRef, is_dns_label};
 use crate::source::{Set, Source};
 use crate::telemetry::{Metrics, Open};
@@ -223,6 +223,9 @@ impl<S: Source> Xds<S> {
 pub const MAX_NAMES: usize = 16;
 /// See [`MAX_NAMES`].
 pub const MAX_NAME_BYTES: usize = 512;
+/// The longest `version_info` a client may resume with: the broker's versions are 16 hex
+/// digits; a longer one cannot be the broker's, and is answered as if none were given.
+const MAX_VERSION_BYTES: usize = 64;
 
 /// What one stream follows of one type: only what the server serves is kept (a client cannot
 /// make a stream hold names nobody serves).
@@ -245,7 +248,12 @@ struct Sent {
     asked: bool,
     /// Whether its first request named nothing (the legacy wildcard, for Listeners and Clusters).
     legacy_wildcard: bool,
+    /// The version the client holds, as far as the stream knows: the last one sent, or the one
+    /// it resumed with.
     version: Option<String>,
+    /// Whether it resumed with a version not yet compared with the broker's (the endpoints may
+    /// not be listed yet).
+    resuming: bool,
     nonce: String,
     /// A hash of the last version the client refused, so that a NACK it repeats is logged once.
     refused: Option<u64>,
@@ -343,8 +351,10 @@ impl Stream {
                 let wire = self
                     .shared
                     .endpoints(members, self.own.filter(|_| draining));
+                let mut version = StableHash::default();
+                version.write(&wire.bytes);
                 return Some((
-                    format!("{:016x}", wire.digest),
+                    version.hex(),
                     vec![Any {
                         type_url: resources::ENDPOINTS.to_string(),
                         value: wire.bytes.to_vec(),
@@ -353,15 +363,17 @@ impl Stream {
             }
             _ => Vec::new(),
         };
-        let mut digest = std::collections::hash_map::DefaultHasher::new();
+        let mut version = StableHash::default();
         for r in &resources {
-            r.value.hash(&mut digest);
+            version.write(&(r.value.len() as u64).to_le_bytes());
+            version.write(&r.value);
         }
-        Some((format!("{:016x}", digest.finish()), resources))
+        Some((version.hex(), resources))
     }
 
     /// The response for `type_url` if it is due: `force` for a request that must be answered,
-    /// else only when what the client holds differs.
+    /// else only when what the client holds differs (as far as the stream knows: what it sent,
+    /// or the version the client resumed with).
     fn respond(
         &mut self,
         type_url: &'static str,
@@ -375,22 +387,29 @@ impl Stream {
         }
         let (version, resources) = self.resources(type_url, wanted, members, draining)?;
         let sent = self.types.get_mut(type_url)?;
+        let resumed = std::mem::take(&mut sent.resuming);
         if !force && sent.version.as_deref() == Some(version.as_str()) {
+            if let Some(r#type) = resources::known(type_url).filter(|_| resumed) {
+                self.metrics.xds.resumed(r#type);
+            }
             return None;
         }
         self.nonces += 1;
         sent.version = Some(version.clone());
         sent.nonce = self.nonces.to_string();
-        if let Some(r#type) = resources::known(type_url) {
-            self.metrics.xds.responded(r#type);
-        }
-        Some(DiscoveryResponse {
+        let response = DiscoveryResponse {
             version_info: version,
             resources,
             type_url: type_url.to_string(),
             nonce: sent.nonce.clone(),
             ..Default::default()
-        })
+        };
+        if let Some(r#type) = resources::known(type_url) {
+            self.metrics
+                .xds
+                .responded(r#type, prost::Message::encoded_len(&response));
+        }
+        Some(response)
     }
 
     /// A client's request: what to answer, if anything; an error ends the stream.
@@ -456,6 +475,13 @@ impl Stream {
                 );
             }
         }
+        // The first request of a type on a stream, with no nonce, may name the version the
+        // client holds from an earlier stream (of this replica or another): it resumes there,
+        // and is answered only if what the broker would send differs (ADR 0026).
+        let resumes = !sent.asked
+            && request.response_nonce.is_empty()
+            && !request.version_info.is_empty()
+            && request.version_info.len() <= MAX_VERSION_BYTES;
         if !sent.asked {
             sent.asked = true;
             sent.legacy_wildcard = request.resource_names.is_empty();
@@ -482,9 +508,13 @@ impl Stream {
         };
         let changed = wanted != sent.wanted;
         sent.wanted = wanted;
-        // A request without a nonce opens the type on this stream (or resumes it on a new
-        // one): it is always answered. An ACK or NACK is answered only if the subscription or
-        // the resources changed.
+        if resumes {
+            sent.version = Some(request.version_info);
+            sent.resuming = true;
+            return Ok(self.respond(type_url, members, draining, false));
+        }
+        // A request without a nonce opens the type on this stream: it is always answered. An
+        // ACK or NACK is answered only if the subscription or the resources changed.
         let force = request.response_nonce.is_empty() || changed;
         Ok(self.respond(type_url, members, draining, force))
     }

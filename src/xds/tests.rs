@@ -291,6 +291,119 @@ fn a_client_gets_its_listener_cluster_and_endpoints_each_once_until_something_ch
     );
 }
 
+/// A new stream, its first request of each type carrying the version a client holds.
+fn resume(s: &mut Stream, held: &[&DiscoveryResponse], m: &Members) -> Vec<DiscoveryResponse> {
+    held.iter()
+        .filter_map(|r| {
+            let names = ["crd-broker.flags:8013"];
+            answer(s, ask(&r.type_url, &names, &r.version_info, ""), m, false)
+        })
+        .collect()
+}
+
+#[test]
+fn a_new_stream_resuming_at_the_version_the_broker_would_send_is_not_sent_it_again() {
+    let m = three();
+    let mut first = stream(None);
+    let held = [
+        opened(&mut first, LISTENER, &m),
+        opened(&mut first, CLUSTER, &m),
+        opened(&mut first, ENDPOINTS, &m),
+    ];
+    // Another replica's stream (its own shared state): the same versions, nothing sent.
+    let mut again = stream(None);
+    assert!(resume(&mut again, &held.each_ref(), &m).is_empty());
+    let text = again.metrics.encode();
+    for r#type in ["listener", "cluster", "endpoints"] {
+        for series in [
+            format!(r#"crd_broker_xds_resumed_total{{type="{type}"}} 1"#),
+            format!(r#"crd_broker_xds_responses_total{{type="{type}"}} 0"#),
+            format!(r#"crd_broker_xds_response_bytes_total{{type="{type}"}} 0"#),
+        ] {
+            assert!(text.contains(&series), "{series} in:\n{text}");
+        }
+    }
+    // A change is sent, with a nonce the client's ACK then names.
+    let four = members(vec![slice(
+        "crd-broker-abc",
+        json!([{"addresses": ["10.0.0.4"], "conditions": {"ready": true}}]),
+    )]);
+    let change = again.changes(&four, false).unwrap();
+    assert_eq!(
+        assignment(&change),
+        [("10.0.0.4".into(), HealthStatus::Healthy)]
+    );
+    let ack = ask(
+        ENDPOINTS,
+        &["crd-broker.flags:8013"],
+        &change.version_info,
+        &change.nonce,
+    );
+    assert!(answer(&mut again, ack, &four, false).is_none());
+    assert!(again.changes(&four, false).is_none());
+    let bytes = prost::Message::encoded_len(&change);
+    assert!(
+        again.metrics.encode().contains(&format!(
+            r#"crd_broker_xds_response_bytes_total{{type="endpoints"}} {bytes}"#
+        )),
+        "the bytes of the one response sent are counted"
+    );
+}
+
+#[test]
+fn a_resume_at_another_version_is_answered_and_only_a_streams_first_request_resumes() {
+    let m = three();
+    let mut first = stream(None);
+    let eds = opened(&mut first, ENDPOINTS, &m);
+    // The client holds what a draining replica served: the endpoints are sent again.
+    let mut own = stream(Some("10.0.0.1"));
+    opened(&mut own, ENDPOINTS, &m);
+    let draining = own.changes(&m, true).unwrap();
+    let sent = resume(&mut stream(None), &[&draining], &m);
+    assert_eq!(sent.len(), 1);
+    assert_eq!(sent[0].version_info, eds.version_info);
+    // A version no replica sends (too long to be one, or not one): answered.
+    for version in ["x".repeat(65), "0123456789abcdef".into()] {
+        let mut other = eds.clone();
+        other.version_info = version;
+        assert_eq!(resume(&mut stream(None), &[&other], &m).len(), 1);
+    }
+    // On a stream that has asked before, a request without a nonce is answered, whatever
+    // version it names.
+    let mut s = stream(None);
+    assert!(resume(&mut s, &[&eds], &m).is_empty());
+    assert_eq!(resume(&mut s, &[&eds], &m).len(), 1);
+}
+
+#[test]
+fn a_resume_before_the_slices_are_listed_waits_and_sends_only_what_differs() {
+    let m = three();
+    let eds = opened(&mut stream(None), ENDPOINTS, &m);
+    let unlisted = Members::default();
+    let mut same = stream(None);
+    assert!(resume(&mut same, &[&eds], &unlisted).is_empty());
+    assert!(same.changes(&m, false).is_none(), "the client holds these");
+    assert!(
+        same.metrics
+            .encode()
+            .contains(r#"crd_broker_xds_resumed_total{type="endpoints"} 1"#)
+    );
+    let mut other = stream(None);
+    assert!(resume(&mut other, &[&eds], &unlisted).is_empty());
+    let four = members(vec![slice(
+        "crd-broker-abc",
+        json!([{"addresses": ["10.0.0.4"], "conditions": {"ready": true}}]),
+    )]);
+    let change = other.changes(&four, false).unwrap();
+    assert_eq!(assignment(&change).len(), 1);
+    assert!(
+        other
+            .metrics
+            .encode()
+            .contains(r#"crd_broker_xds_resumed_total{type="endpoints"} 0"#)
+    );
+}
+
 #[test]
 fn a_nack_is_not_answered_with_the_same_resources_and_a_stale_nonce_is_ignored() {
     let mut s = stream(None);

@@ -4,8 +4,12 @@
 //! replica is killed while every CR is written: its subscribers move to the other two, which
 //! already watch every CR. Then every replica is killed and one fresh replica takes all the
 //! subscribers at once, a restart storm. At the end every subscriber must hold its CR's final
-//! resourceVersion. It runs twice: subscribers that subscribe afresh, and subscribers that resume
-//! with the uid and resourceVersion they hold (ADR 0026), for the bytes the move costs.
+//! resourceVersion. It runs several ways ([`Way`]): native subscribers that subscribe afresh,
+//! that resume with the uid and resourceVersion they hold (ADR 0026), flagd sync subscribers
+//! (whose protocol cannot resume), and with the replicas pacing new streams
+//! (`--max-new-streams-per-second`, the clients waiting as each refusal says): for the bytes the
+//! move costs, how soon the moved are served again, and what the survivors' own subscribers
+//! and the survivors' CPU and memory went through meanwhile.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -13,6 +17,8 @@ use std::time::Duration;
 
 use crd_broker::pb;
 use crd_broker::pb::broker_client::BrokerClient;
+use crd_broker::pb::flagd::SyncFlagsRequest;
+use crd_broker::pb::flagd::flag_sync_service_client::FlagSyncServiceClient;
 use crd_broker::pb::subscribe_response::Event;
 use fake_apiserver::FakeApiServer;
 use prost::Message;
@@ -22,9 +28,22 @@ use tokio::sync::RwLock;
 use tonic::transport::Channel;
 
 use crate::Run;
-use crate::clients::{self, now_nanos, tokio_util_like};
+use crate::clients::{self, now_nanos, number_after, tokio_util_like};
 use crate::fixtures::{GV, least_and_most, name, requests_per_cr, wait_until};
 use crate::target::Target;
+
+/// How a run of the scenario goes.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Way {
+    /// Native subscribers resume with the version they hold.
+    pub resume: bool,
+    /// The writes pause while the killed replica's subscribers move.
+    pub quiet: bool,
+    /// flagd sync subscribers (`SyncFlags` on each CR) instead of native ones.
+    pub flagd: bool,
+    /// Each replica's `--max-new-streams-per-second` (0: none).
+    pub pace: f64,
+}
 
 /// What the scenario measured.
 #[derive(Debug, Clone, Serialize)]
@@ -76,6 +95,34 @@ pub struct Failover {
     pub unchanged_bytes: u64,
     /// What those first messages cost as whole states.
     pub unchanged_full_bytes: u64,
+    /// Whether the subscribers were flagd sync streams.
+    pub flagd: bool,
+    /// Each replica's `--max-new-streams-per-second` (0: none).
+    pub pace: f64,
+    /// New streams the survivors refused for their pace while the subscribers moved.
+    pub refused: u64,
+    /// The survivors' own subscribers (not moved): write → receipt p99 over the second before
+    /// the kill, and during the move (from the kill until the last moved subscriber was served
+    /// again, a second at least); the most any waited then; how many deliveries each window had.
+    pub survivors_usual_p99_seconds: f64,
+    /// See `survivors_usual_p99_seconds`.
+    pub survivors_move_p99_seconds: f64,
+    /// See `survivors_usual_p99_seconds`.
+    pub survivors_move_max_seconds: f64,
+    /// See `survivors_usual_p99_seconds`.
+    pub survivors_usual_deliveries: usize,
+    /// See `survivors_usual_p99_seconds`.
+    pub survivors_move_deliveries: usize,
+    /// The survivors' CPU during the move: the busiest 100 ms of either, in cores, and the CPU
+    /// seconds both used.
+    pub survivors_cpu_peak_cores: f64,
+    /// See `survivors_cpu_peak_cores`.
+    pub survivors_cpu_seconds: f64,
+    /// The survivors' resident memory, the larger of the two: at the kill, and at its peak
+    /// during the move.
+    pub survivors_rss_before_bytes: u64,
+    /// See `survivors_rss_before_bytes`.
+    pub survivors_rss_peak_bytes: u64,
 }
 
 /// No replica: a subscriber between streams.
@@ -106,6 +153,11 @@ struct Seen {
     unchanged: AtomicUsize,
     unchanged_bytes: AtomicU64,
     unchanged_full_bytes: AtomicU64,
+    /// Deliveries of a write to a subscriber not moving: when (epoch nanoseconds) and how long
+    /// after the write.
+    deliveries: std::sync::Mutex<Vec<(u64, u64)>>,
+    /// Streams refused for a replica's pace.
+    refused: AtomicU64,
 }
 
 impl Seen {
@@ -123,6 +175,8 @@ impl Seen {
             unchanged: AtomicUsize::new(0),
             unchanged_bytes: AtomicU64::new(0),
             unchanged_full_bytes: AtomicU64::new(0),
+            deliveries: std::sync::Mutex::default(),
+            refused: AtomicU64::new(0),
         }
     }
 
@@ -157,7 +211,7 @@ async fn roam(
     slot: usize,
     mut turn: usize,
     seen: Arc<Seen>,
-    resume: bool,
+    way: Way,
     stop: tokio_util_like::Stop,
 ) {
     loop {
@@ -169,12 +223,21 @@ async fn roam(
             })
         };
         turn += 1;
+        let mut told = None;
         if let Some((id, channel)) = picked {
-            follow(id, channel, &name, slot, &seen, resume, &stop).await;
+            let ended = match way.flagd {
+                true => follow_flagd(id, channel, &name, slot, &seen, &stop).await,
+                false => follow(id, channel, &name, slot, &seen, way.resume, &stop).await,
+            };
+            told = ended.and_then(|status| retry_after(&status));
         }
         seen.replica[slot].store(NONE, Ordering::Relaxed);
-        // A short, spread pause before the next try, as a client's backoff would have.
-        let pause = Duration::from_millis(20 + fastrand::u64(0..80));
+        if told.is_some() {
+            seen.refused.fetch_add(1, Ordering::Relaxed);
+        }
+        // A short, spread pause before the next try, as a client's backoff would have; or as
+        // long as a refusal said.
+        let pause = told.unwrap_or_else(|| Duration::from_millis(20 + fastrand::u64(0..80)));
         tokio::select! {
             _ = stop.wait() => return,
             _ = tokio::time::sleep(pause) => {}
@@ -190,21 +253,29 @@ async fn follow(
     seen: &Seen,
     resume: bool,
     stop: &tokio_util_like::Stop,
-) {
+) -> Option<tonic::Status> {
     let mut client = BrokerClient::new(channel);
     let request = seen.request(slot, name, resume);
-    let Ok(response) = client.subscribe(request).await else {
-        return;
+    let response = match client.subscribe(request).await {
+        Ok(response) => response,
+        Err(status) => return Some(status),
     };
     let mut stream = response.into_inner();
     let mut first = true;
     loop {
         let message = tokio::select! {
-            _ = stop.wait() => return,
+            _ = stop.wait() => return None,
             m = stream.message() => m,
         };
-        let Ok(Some(m)) = message else { return };
+        let m = match message {
+            Ok(Some(m)) => m,
+            Ok(None) => return None,
+            Err(status) => return Some(status),
+        };
         let bytes = m.encoded_len() as u64 + 5;
+        if !m.object.is_empty() {
+            seen.delivered(slot, &m.object);
+        }
         let moving = seen.moving[slot].load(Ordering::Relaxed);
         if moving {
             seen.moved_bytes.fetch_add(bytes, Ordering::Relaxed);
@@ -237,6 +308,116 @@ async fn follow(
     }
 }
 
+/// How long a refusal for a replica's pace says to wait (`grpc-retry-pushback-ms`).
+fn retry_after(status: &tonic::Status) -> Option<Duration> {
+    if status.code() != tonic::Code::ResourceExhausted {
+        return None;
+    }
+    let millis = status
+        .metadata()
+        .get(crd_broker::access::RETRY_PUSHBACK)?
+        .to_str()
+        .ok()?
+        .parse()
+        .ok()?;
+    Some(Duration::from_millis(millis))
+}
+
+/// A flagd sync subscriber on replica `id`: `SyncFlags` for its CR. Its configuration carries
+/// no resourceVersion: the CR's write number (plus one) stands for it, and a moved subscriber's
+/// CR is unchanged when its first configuration has the write it held.
+async fn follow_flagd(
+    id: usize,
+    channel: Channel,
+    name: &str,
+    slot: usize,
+    seen: &Seen,
+    stop: &tokio_util_like::Stop,
+) -> Option<tonic::Status> {
+    let mut client = FlagSyncServiceClient::new(channel)
+        .max_decoding_message_size(crd_broker::grpc::flagd::MAX_MESSAGE);
+    let request = SyncFlagsRequest {
+        provider_id: String::new(),
+        selector: format!("core.openfeature.dev/default/{name}"),
+    };
+    let mut stream = match client.sync_flags(request).await {
+        Ok(response) => response.into_inner(),
+        Err(status) => return Some(status),
+    };
+    let mut first = true;
+    loop {
+        let message = tokio::select! {
+            _ = stop.wait() => return None,
+            m = stream.message() => m,
+        };
+        let m = match message {
+            Ok(Some(m)) => m,
+            Ok(None) => return None,
+            Err(status) => return Some(status),
+        };
+        let bytes = m.encoded_len() as u64 + 5;
+        let config = m.flag_configuration.as_bytes();
+        seen.delivered(slot, config);
+        let version = number_after(config, "write").map_or(0, |w| w + 1);
+        let moving = seen.moving[slot].load(Ordering::Relaxed);
+        if moving {
+            seen.moved_bytes.fetch_add(bytes, Ordering::Relaxed);
+            if first && version == seen.rv_at_kill[slot].load(Ordering::Relaxed) {
+                seen.unchanged.fetch_add(1, Ordering::Relaxed);
+                seen.unchanged_bytes.fetch_add(bytes, Ordering::Relaxed);
+                let whole = seen.state_bytes[slot].load(Ordering::Relaxed);
+                seen.unchanged_full_bytes
+                    .fetch_add(whole, Ordering::Relaxed);
+            }
+        }
+        seen.state_bytes[slot].store(bytes, Ordering::Relaxed);
+        seen.rv[slot].store(version, Ordering::Relaxed);
+        if std::mem::take(&mut first) {
+            seen.served_at[slot].store(now_nanos(), Ordering::Relaxed);
+            seen.replica[slot].store(id, Ordering::Relaxed);
+        }
+    }
+}
+
+impl Seen {
+    /// Subscriber `slot` received a state (`object`, stamped `sentAt` by its write): kept if
+    /// the subscriber is not moving, for the survivors' own latency.
+    fn delivered(&self, slot: usize, object: &[u8]) {
+        if self.moving[slot].load(Ordering::Relaxed) {
+            return;
+        }
+        let Some(sent @ 1..) = number_after(object, "sentAt") else {
+            return;
+        };
+        let now = now_nanos();
+        self.deliveries
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .push((now, now.saturating_sub(sent)));
+    }
+
+    /// The survivors' deliveries received within `[from, to)`: their p99 and most, in seconds,
+    /// and how many.
+    fn latency(&self, from: u64, to: u64) -> (f64, f64, usize) {
+        let deliveries = self
+            .deliveries
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut within: Vec<u64> = deliveries
+            .iter()
+            .filter(|(at, _)| (from..to).contains(at))
+            .map(|(_, latency)| *latency)
+            .collect();
+        within.sort_unstable();
+        let p99 = within
+            .get(((within.len() as f64 * 0.99).ceil() as usize).saturating_sub(1))
+            .copied()
+            .unwrap_or(0);
+        let max = within.last().copied().unwrap_or(0);
+        (p99 as f64 / 1e9, max as f64 / 1e9, within.len())
+    }
+}
+
 /// Writes every CR in turn until stopped; the count of writes.
 async fn write(
     fake: Arc<FakeApiServer>,
@@ -248,7 +429,8 @@ async fn write(
     let mut writes = 0u64;
     loop {
         let k = writes as usize % crs;
-        let patch = json!({ "spec": { "flagSpec": { "metadata": { "write": writes } } } });
+        let stamp = json!({ "write": writes, "sentAt": now_nanos() });
+        let patch = json!({ "spec": { "flagSpec": { "metadata": stamp } } });
         if fake
             .merge_patch(GV, "featureflags", "default", &name(k), patch)
             .is_ok()
@@ -262,9 +444,19 @@ async fn write(
     }
 }
 
-/// Runs the scenario, with subscribers that resume (`resume`) or subscribe afresh; with the
-/// writes paused while the killed replica's subscribers move (`quiet`).
-pub async fn failover(run: &Run, resume: bool, quiet: bool) -> anyhow::Result<Failover> {
+/// Runs the scenario the [`Way`] says.
+pub async fn failover(run: &Run, way: Way) -> anyhow::Result<Failover> {
+    let Way {
+        resume,
+        quiet,
+        flagd,
+        pace,
+    } = way;
+    let pace_arg = pace.to_string();
+    let args: Vec<&str> = match pace > 0.0 {
+        true => vec!["--max-new-streams-per-second", &pace_arg],
+        false => Vec::new(),
+    };
     const REPLICAS: usize = 3;
     let (fake, dir) = crate::fixtures::fake(run.crs, run.payload_bytes).await?;
     let fake = Arc::new(fake);
@@ -275,7 +467,7 @@ pub async fn failover(run: &Run, resume: bool, quiet: bool) -> anyhow::Result<Fa
     let mut replicas = Vec::new();
     let mut entries = Vec::new();
     for id in 0..REPLICAS {
-        let target = Target::broker(&bin, &kubeconfig, linger, &[]).await?;
+        let target = Target::broker(&bin, &kubeconfig, linger, &args).await?;
         entries.push((
             id,
             clients::connections(target.grpc, per_replica, run.sources).await?,
@@ -296,7 +488,7 @@ pub async fn failover(run: &Run, resume: bool, quiet: bool) -> anyhow::Result<Fa
             slot,
             turn,
             seen.clone(),
-            resume,
+            way,
             stop.clone(),
         ));
     }
@@ -344,14 +536,23 @@ pub async fn failover(run: &Run, resume: bool, quiet: bool) -> anyhow::Result<Fa
     }
     pool.write().await.retain(|(id, _)| *id != 0);
     let killed_at = now_nanos();
+    let survivors: Vec<u32> = replicas[1..].iter().map(Target::pid).collect();
+    let refused_before = seen.refused.load(Ordering::Relaxed);
+    let (stop_sampling, sampling_stop) = tokio_util_like::signal();
+    let sampler = tokio::spawn(sample(survivors.clone(), sampling_stop));
     replicas.remove(0).stop().await;
     wait_until(
         "the killed replica's subscribers on the others",
-        Duration::from_secs(60),
+        Duration::from_secs(120),
         all_served(&[1, 2]),
     )
     .await?;
     let moved_seconds = last_served_after(&seen, killed_at);
+    let moved_bytes = seen.moved_bytes.load(Ordering::Relaxed);
+    let moved_current = seen.moved_current.load(Ordering::Relaxed);
+    let moved_unchanged = seen.unchanged.load(Ordering::Relaxed);
+    let unchanged_bytes = seen.unchanged_bytes.load(Ordering::Relaxed);
+    let unchanged_full_bytes = seen.unchanged_full_bytes.load(Ordering::Relaxed);
     let mut served: Vec<f64> = (0..n)
         .filter(|&slot| seen.moving[slot].load(Ordering::Relaxed))
         .map(|slot| {
@@ -365,17 +566,24 @@ pub async fn failover(run: &Run, resume: bool, quiet: bool) -> anyhow::Result<Fa
         served.get(i).copied().unwrap_or(0.0)
     };
     let (moved_p50_seconds, moved_p99_seconds) = (quantile(0.5), quantile(0.99));
+    // The survivors' own subscribers, over the move (a second at least), against the second
+    // before the kill; the moved ones are told apart until then.
+    let window_end = killed_at + (moved_seconds.max(1.0) * 1e9) as u64;
+    let until = Duration::from_nanos(window_end.saturating_sub(now_nanos()));
+    tokio::time::sleep(until).await;
+    stop_sampling.stop();
+    let peaks = sampler.await.unwrap_or_default();
+    let refused = seen.refused.load(Ordering::Relaxed) - refused_before;
+    let (survivors_usual_p99_seconds, _, survivors_usual_deliveries) =
+        seen.latency(killed_at.saturating_sub(1_000_000_000), killed_at);
+    let (survivors_move_p99_seconds, survivors_move_max_seconds, survivors_move_deliveries) =
+        seen.latency(killed_at, window_end);
     for moving in &seen.moving {
         moving.store(false, Ordering::Relaxed);
     }
-    let moved_bytes = seen.moved_bytes.load(Ordering::Relaxed);
-    let moved_current = seen.moved_current.load(Ordering::Relaxed);
     if quiet {
         (stop_writes, writer) = writing();
     }
-    let moved_unchanged = seen.unchanged.load(Ordering::Relaxed);
-    let unchanged_bytes = seen.unchanged_bytes.load(Ordering::Relaxed);
-    let unchanged_full_bytes = seen.unchanged_full_bytes.load(Ordering::Relaxed);
     let moved_lists = requests_per_cr(&fake, run.crs, "list").iter().sum();
     let moved_watches = requests_per_cr(&fake, run.crs, "watch").iter().sum();
 
@@ -391,7 +599,7 @@ pub async fn failover(run: &Run, resume: bool, quiet: bool) -> anyhow::Result<Fa
     )
     .await?;
     fake.clear_requests();
-    let fresh = Target::broker(&bin, &kubeconfig, linger, &[]).await?;
+    let fresh = Target::broker(&bin, &kubeconfig, linger, &args).await?;
     let started = now_nanos();
     let channels = clients::connections(fresh.grpc, run.connections, run.sources).await?;
     pool.write().await.push((REPLICAS, channels));
@@ -407,13 +615,18 @@ pub async fn failover(run: &Run, resume: bool, quiet: bool) -> anyhow::Result<Fa
     let storm_lists_per_cr = least_and_most(&requests_per_cr(&fake, run.crs, "list"));
     let storm_watches_per_cr = least_and_most(&requests_per_cr(&fake, run.crs, "watch"));
 
-    // Every subscriber ends on its CR's final state.
+    // Every subscriber ends on its CR's final state (for flagd, its last write).
     let finals: Vec<u64> = (0..run.crs)
         .map(|k| {
-            fake.get(GV, "featureflags", "default", &name(k))
-                .ok()
-                .and_then(|o| o["metadata"]["resourceVersion"].as_str()?.parse().ok())
-                .unwrap_or(0)
+            let o = fake.get(GV, "featureflags", "default", &name(k)).ok();
+            match flagd {
+                true => o
+                    .and_then(|o| o["spec"]["flagSpec"]["metadata"]["write"].as_u64())
+                    .map_or(0, |w| w + 1),
+                false => o
+                    .and_then(|o| o["metadata"]["resourceVersion"].as_str()?.parse().ok())
+                    .unwrap_or(0),
+            }
         })
         .collect();
     let settled = |seen: &Seen| {
@@ -453,7 +666,67 @@ pub async fn failover(run: &Run, resume: bool, quiet: bool) -> anyhow::Result<Fa
         moved_unchanged,
         unchanged_bytes,
         unchanged_full_bytes,
+        flagd,
+        pace,
+        refused,
+        survivors_usual_p99_seconds,
+        survivors_move_p99_seconds,
+        survivors_move_max_seconds,
+        survivors_usual_deliveries,
+        survivors_move_deliveries,
+        survivors_cpu_peak_cores: peaks.cpu_peak_cores,
+        survivors_cpu_seconds: peaks.cpu_seconds,
+        survivors_rss_before_bytes: peaks.rss_before,
+        survivors_rss_peak_bytes: peaks.rss_peak,
     })
+}
+
+/// The survivors' CPU and memory over the move.
+#[derive(Debug, Default)]
+struct Peaks {
+    cpu_peak_cores: f64,
+    cpu_seconds: f64,
+    rss_before: u64,
+    rss_peak: u64,
+}
+
+/// Samples `pids` every 100 ms until stopped.
+async fn sample(pids: Vec<u32>, stop: tokio_util_like::Stop) -> Peaks {
+    let cpu = |pid| crate::stats::cpu(pid).as_secs_f64();
+    let rss = |pids: &[u32]| {
+        pids.iter()
+            .map(|&p| crate::stats::rss(p))
+            .max()
+            .unwrap_or(0)
+    };
+    let start: Vec<f64> = pids.iter().map(|&p| cpu(p)).collect();
+    let mut last = start.clone();
+    let mut at = std::time::Instant::now();
+    let mut peaks = Peaks {
+        rss_before: rss(&pids),
+        ..Peaks::default()
+    };
+    peaks.rss_peak = peaks.rss_before;
+    loop {
+        tokio::select! {
+            _ = stop.wait() => break,
+            _ = tokio::time::sleep(Duration::from_millis(100)) => {}
+        }
+        let elapsed = at.elapsed().as_secs_f64();
+        at = std::time::Instant::now();
+        for (i, &pid) in pids.iter().enumerate() {
+            let now = cpu(pid);
+            peaks.cpu_peak_cores = peaks.cpu_peak_cores.max((now - last[i]) / elapsed);
+            last[i] = now;
+        }
+        peaks.rss_peak = peaks.rss_peak.max(rss(&pids));
+    }
+    peaks.cpu_seconds = pids
+        .iter()
+        .enumerate()
+        .map(|(i, &p)| cpu(p) - start[i])
+        .sum();
+    peaks
 }
 
 /// Seconds from `since` (epoch nanoseconds) to the latest first message of a stream after it.
