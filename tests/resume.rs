@@ -238,3 +238,124 @@ async fn resume_fields_out_of_bounds_or_misplaced_are_invalid_argument() {
     let (r, _) = first(&mut client, request(&[&demo])).await;
     assert_eq!(r.event(), Event::Snapshot);
 }
+
+/// The same on the real control plane: three replicas deployed as the chart deploys them, one
+/// SIGKILLed. Its subscribers resume on the others with the uids and resourceVersions the real
+/// API server gave; the replicas the resumes land on had never watched the widgets (their first
+/// state is their own LIST), and a widget written while its subscriber was away is sent anew.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_the_real_control_plane_a_killed_replicas_subscribers_resume_on_the_others() {
+    use kube::api::{Api, DynamicObject, Patch, PatchParams};
+    use support::control_plane::*;
+    let plane = control_plane();
+    let (ns, group, resource) = widget_world(plane, "resume-replicas").await;
+    let names = many_widgets(plane, &group, &ns, 3).await;
+    let api: Api<DynamicObject> = Api::namespaced_with(plane.admin().await, &ns, &resource);
+    let patch = |body: serde_json::Value| Patch::Merge(body);
+    for name in &names {
+        let label = json!({ "metadata": { "labels": { "app": "resume" } } });
+        api.patch(name, &PatchParams::default(), &patch(label))
+            .await
+            .unwrap();
+    }
+    let values = widget_values(&group, &ns, "30s");
+    let mut replicas = Vec::new();
+    for _ in 0..3 {
+        replicas.push(plane.deploy(&ns, values.clone()).await);
+    }
+    let mut targets: Vec<Target> = names
+        .iter()
+        .map(|n| format!("widgets.{group}/{ns}/{n}").parse().unwrap())
+        .collect();
+    targets.push(
+        format!("widgets.{group}/{ns}?labelSelector=app%3Dresume")
+            .parse()
+            .unwrap(),
+    );
+    let set = targets.len() - 1;
+
+    // Every widget and the set on the first replica.
+    let mut first_replica = connect(replicas[0].grpc).await;
+    let mut held: Vec<Holdings> = targets.iter().map(|_| Holdings::default()).collect();
+    let mut streams = Vec::new();
+    for (i, target) in targets.iter().enumerate() {
+        let asked = request_for(std::slice::from_ref(target));
+        let mut s = first_replica.subscribe(asked).await.unwrap().into_inner();
+        if i == set {
+            through_synced(&mut s, &mut held[i]).await;
+        } else {
+            held[i].start();
+            let snapshot = next(&mut s).await;
+            assert_eq!(snapshot.event(), Event::Snapshot);
+            held[i].take(&snapshot);
+        }
+        streams.push(s);
+    }
+
+    // The replica dies; its streams break.
+    replicas[0].child.start_kill().unwrap();
+    replicas[0].child.wait().await.unwrap();
+    for s in &mut streams {
+        let ended = tokio::time::timeout(WAIT, s.message()).await.unwrap();
+        assert!(!matches!(ended, Ok(Some(_))), "{ended:?}");
+    }
+
+    // Resumed on the others, never watched there before: CURRENT for each widget, at the
+    // resourceVersion the API server gave; SYNCED alone for the set.
+    let mut others = [
+        connect(replicas[1].grpc).await,
+        connect(replicas[2].grpc).await,
+    ];
+    for (i, target) in targets.iter().enumerate() {
+        let client = &mut others[i % 2];
+        let asked = held[i].request(std::slice::from_ref(target));
+        let (r, _) = first(client, asked.clone()).await;
+        if i == set {
+            assert_eq!(r.event(), Event::Synced, "{r:?}");
+            assert_eq!(r.set_version, asked.resources[0].resource_version);
+        } else {
+            assert_eq!(r.event(), Event::Current, "{r:?}");
+            assert_eq!(r.resource_version, asked.resources[0].resource_version);
+            assert!(r.object.is_empty());
+        }
+    }
+
+    // A widget written while its subscriber was away: its state anew, at the new version.
+    let written = api
+        .patch(
+            &names[0],
+            &PatchParams::default(),
+            &patch(json!({ "spec": { "color": "blue" } })),
+        )
+        .await
+        .unwrap();
+    let written_rv = written.metadata.resource_version.unwrap();
+    let asked = held[0].request(&targets[..1]);
+    let resumed = tokio::time::timeout(WAIT, async {
+        loop {
+            let (r, _) = first(&mut others[1], asked.clone()).await;
+            if r.resource_version == written_rv {
+                return r;
+            }
+            // The replica's watch has not seen the write yet: CURRENT at the old version.
+            assert_eq!(r.event(), Event::Current, "{r:?}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await
+    .expect("the write reaches the replica");
+    assert_eq!(resumed.event(), Event::Snapshot);
+    assert!(String::from_utf8_lossy(&resumed.object).contains("blue"));
+    // The set at its old version: its members again, and a new set version.
+    let mut s = others[0]
+        .subscribe(held[set].request(&targets[set..]))
+        .await
+        .unwrap()
+        .into_inner();
+    let mut again = Holdings::default();
+    let synced = through_synced(&mut s, &mut again).await;
+    assert_ne!(
+        synced.set_version,
+        held[set].request(&targets[set..]).resources[0].resource_version
+    );
+}
