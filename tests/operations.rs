@@ -346,7 +346,7 @@ async fn debug_endpoints_answer_only_the_brokers_own_pod_unless_made_public() {
         );
     }
     // From elsewhere: the debug endpoints are refused, saying why and what to add.
-    for path in ["/debug/watches", "/debug/callers"] {
+    for path in ["/debug/watches", "/debug/callers", "/debug/subscribers"] {
         let (status, body) = http_get_as(admin, "127.0.0.2", path, None).await;
         assert_eq!(status, 403, "{path}: {body}");
         assert!(
@@ -390,6 +390,140 @@ async fn debug_endpoints_answer_only_the_brokers_own_pod_unless_made_public() {
         http_get_as(admin, "127.0.0.1", "/metrics", None).await.0,
         200
     );
+}
+
+/// `/debug/subscribers`, read as JSON; the rows whose caller names `ip`.
+async fn subscribers_of(admin: std::net::SocketAddr, ip: &str) -> (Value, Vec<Value>) {
+    let (status, body) = http_get(admin, "/debug/subscribers").await;
+    assert_eq!(status, 200, "{body}");
+    let view: Value = serde_json::from_str(&body).unwrap();
+    let rows = view["subscribers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|r| r["caller"].as_str().unwrap_or_default().contains(ip))
+        .cloned()
+        .collect();
+    (view, rows)
+}
+
+#[tokio::test]
+async fn debug_subscribers_says_which_streams_hold_the_current_state_and_which_are_stale() {
+    let fake = fake().await;
+    // Large states, so that a client that does not read fills its windows at once.
+    let mut big = flag("demo", "v0");
+    big["spec"]["flagSpec"]["metadata"] = serde_json::json!({ "padding": "x".repeat(64 * 1024) });
+    big["metadata"]["labels"] = serde_json::json!({ "app": "ops" });
+    fake.apply(big).unwrap();
+    let broker = broker_with(&fake, with_admin().await, fast(), vec![]);
+    let admin = broker.admin_addr.unwrap();
+    let mut reader = connect_from(broker.addr, "127.0.0.2").await;
+    let mut reading = subscribe(&mut reader, &[&demo("demo")]).await;
+    assert_eq!(next(&mut reading).await.event(), Event::Snapshot);
+    let mut staller = connect_from(broker.addr, "127.0.0.3").await;
+    let mut stalled = subscribe(&mut staller, &[&demo("demo")]).await;
+    let flagd = channel_from(broker.addr, "127.0.0.4").await;
+    let mut sync =
+        crd_broker::pb::flagd::flag_sync_service_client::FlagSyncServiceClient::new(flagd)
+            .sync_flags(crd_broker::pb::flagd::SyncFlagsRequest {
+                provider_id: String::new(),
+                selector: "core.openfeature.dev/default/demo".into(),
+            })
+            .await
+            .unwrap()
+            .into_inner();
+    // The flagd client reads as it comes, and so does a native set's.
+    let sync = tokio::spawn(async move { while let Ok(Some(_)) = sync.message().await {} });
+    let mut sets = connect_from(broker.addr, "127.0.0.5").await;
+    let set: crd_broker::selector::Target =
+        "featureflags.core.openfeature.dev/default?labelSelector=app%3Dops"
+            .parse()
+            .unwrap();
+    let asked = crd_broker::cli::subscribe::request_for(&[set]);
+    let mut set = sets.subscribe(asked).await.unwrap().into_inner();
+    let set = tokio::spawn(async move { while let Ok(Some(_)) = set.message().await {} });
+    for i in 1..=40 {
+        let patch = variant_patch(&format!("v{i}"));
+        fake.merge_patch(GV, "featureflags", "default", "demo", patch)
+            .unwrap();
+    }
+    until(&mut reading, |r| variant(r) == "v40").await;
+    let stored = fake.get(GV, "featureflags", "default", "demo").unwrap();
+    let current = stored["metadata"]["resourceVersion"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    eventually(
+        "the flagd stream is handed the last state",
+        WAIT,
+        async || {
+            let (_, rows) = subscribers_of(admin, "127.0.0.4").await;
+            rows[0]["status"] == "SYNCED"
+        },
+    )
+    .await;
+
+    eventually(
+        "the set's stream is handed the last state",
+        WAIT,
+        async || {
+            let (_, rows) = subscribers_of(admin, "127.0.0.5").await;
+            rows[0]["status"] == "SYNCED"
+        },
+    )
+    .await;
+    let (view, rows) = subscribers_of(admin, "127.0.0.5").await;
+    let part = &rows[0]["resources"][0];
+    assert_eq!(part["current"].as_str().map(str::len), Some(16), "{view}");
+    assert_eq!(part["delivered"], part["current"]);
+    let (view, rows) = subscribers_of(admin, "127.0.0.2").await;
+    assert_eq!(view["total"], 4, "{view}");
+    let part = &rows[0]["resources"][0];
+    assert_eq!(
+        (&rows[0]["protocol"], &rows[0]["status"]),
+        (&serde_json::json!("native"), &serde_json::json!("SYNCED")),
+        "{view}"
+    );
+    assert_eq!(
+        part["selector"],
+        "featureflags.v1beta1.core.openfeature.dev/default/demo"
+    );
+    assert_eq!(
+        (part["delivered"].as_str(), part["current"].as_str()),
+        (Some(current.as_str()), Some(current.as_str()))
+    );
+    let (_, rows) = subscribers_of(admin, "127.0.0.3").await;
+    assert_eq!(rows[0]["status"], "STALE", "{view}");
+    assert_ne!(
+        rows[0]["resources"][0]["delivered"].as_str(),
+        Some(current.as_str())
+    );
+    assert_eq!(
+        view["subscribers"][0]["status"], "STALE",
+        "the stale first: {view}"
+    );
+    assert_eq!(view["stale"], 1, "{view}");
+    let (_, rows) = subscribers_of(admin, "127.0.0.4").await;
+    assert_eq!(rows[0]["protocol"], "flagd");
+
+    // Once it reads, the stalled one catches up; a stream that ends leaves the list.
+    until(&mut stalled, |r| variant(r) == "v40").await;
+    eventually(
+        "the stalled stream is handed the last state",
+        WAIT,
+        async || {
+            let (_, rows) = subscribers_of(admin, "127.0.0.3").await;
+            rows[0]["status"] == "SYNCED"
+        },
+    )
+    .await;
+    sync.abort();
+    set.abort();
+    drop(reading);
+    eventually("ended streams leave the list", WAIT, async || {
+        subscribers_of(admin, "").await.0["total"] == 1
+    })
+    .await;
 }
 
 #[tokio::test]

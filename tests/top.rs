@@ -60,6 +60,7 @@ async fn top_shows_each_watch_its_rate_and_the_callers_and_sorts_by_any_column()
     assert!(text.contains("watches 2   subscribers 3"), "{text}");
     assert!(text.contains("ip:127.0.0.2"), "the caller: {text}");
     assert!(text.contains("updates/s 0.0"), "{text}");
+    assert!(text.contains("synced 3   stale 0   not sent 0"), "{text}");
     let rows = app.rows();
     assert_eq!(
         (rows[0].selector.as_str(), rows[0].subscribers),
@@ -98,6 +99,31 @@ async fn top_shows_each_watch_its_rate_and_the_callers_and_sorts_by_any_column()
         "resource order, reversed: {rows:?}"
     );
     assert!(screen(&app).contains("RESOURCE ▲"));
+
+    // A stream whose client stops reading a large flag while it changes: behind, and shown so.
+    let mut big = flag("big", "v0");
+    big["spec"]["flagSpec"]["metadata"] = serde_json::json!({ "padding": "x".repeat(64 * 1024) });
+    fake.apply(big).unwrap();
+    let mut stalled = subscribe(&mut client, &[&demo("big")]).await;
+    next(&mut stalled).await;
+    for i in 1..=40 {
+        let patch = variant_patch(&format!("v{i}"));
+        fake.merge_patch(GV, "featureflags", "default", "big", patch)
+            .unwrap();
+    }
+    let stale = eventually("the stalled stream shows STALE", WAIT, async || {
+        app.update(fetch(&admin, None).await.unwrap(), Instant::now());
+        let snapshot = &app.snapshot.as_ref().unwrap().0;
+        snapshot.stale == 1
+    })
+    .await;
+    let text = screen(&app);
+    assert!(text.contains("subscribers behind"), "{text}");
+    assert!(
+        text.contains("STALE") && text.contains("default/big"),
+        "{text}"
+    );
+    println!("a stalled stream showed STALE after {stale:?}");
     assert!(press(&mut app, 'q'), "q quits");
 
     // A broker that does not answer is said so, and the view stays up.

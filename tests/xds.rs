@@ -505,6 +505,25 @@ mod protocol {
             ads.quiet(Duration::from_millis(500)).await,
             "an ACK was answered"
         );
+        // The stream in /debug/subscribers: every type ACKed at the version sent.
+        let xds_row = async || {
+            let (_, body) = http_get(broker.admin, "/debug/subscribers").await;
+            let view: Value = serde_json::from_str(&body).unwrap();
+            view["subscribers"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|r| r["protocol"] == "xds")
+                .cloned()
+                .expect("the ADS stream is listed")
+        };
+        let row = xds_row().await;
+        assert_eq!(
+            (&row["status"], &row["acks"]),
+            (&json!("SYNCED"), &json!(3)),
+            "{row}"
+        );
+        assert_eq!(row["resources"].as_array().map(Vec::len), Some(3), "{row}");
 
         // A change of the slice is pushed; only the endpoints.
         plane.apply(&[at(&[2, 3, 4], &[])]).await;
@@ -537,6 +556,13 @@ mod protocol {
         let none = ads.next().await;
         assert_eq!(none.type_url, LISTENER, "the NACK was answered");
         assert!(none.resources.is_empty());
+        // The NACK counted; the Listener answered since is not ACKed yet: STALE.
+        let row = xds_row().await;
+        assert_eq!(
+            (&row["status"], &row["nacks"]),
+            (&json!("STALE"), &json!(1)),
+            "{row}"
+        );
         let m = metrics(broker.admin).await;
         for (series, sent) in [
             (r#"crd_broker_xds_streams"#, 1.0),

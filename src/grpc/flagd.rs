@@ -25,7 +25,8 @@ use super::messages::{End, Messages, Next};
 use super::{Delivery, admit_one, drain_of, shutting_down, source_status};
 use crate::access::{Access, Caller};
 use crate::pb::{flagd, legacy};
-use crate::registry::{Members, Registry, State, Wire};
+use crate::registry::subscribers::record;
+use crate::registry::{Delivered, Members, PartRef, Registry, State, Wire};
 use crate::selector::{KindRef, Selector};
 use crate::source::{Set, Source};
 use crate::telemetry::SyncStream;
@@ -396,6 +397,11 @@ impl<S: Source> FlagdCore<S> {
             }
         });
         let name = set.to_string();
+        let registered = self.registry.subscribers().register(
+            caller.to_string(),
+            protocol.label(),
+            vec![name.clone()],
+        );
         let stream = SetStream {
             members,
             ends,
@@ -411,6 +417,9 @@ impl<S: Source> FlagdCore<S> {
             context: self.context.clone(),
             protocol,
             limit: self.limit,
+            set,
+            pending: None,
+            part: Some((registered, 0)),
         };
         let frames = futures::stream::unfold(stream, |mut stream| async move {
             let next = stream.next().await;
@@ -502,12 +511,18 @@ impl<S: Source> FlagdCore<S> {
             caller = %caller
         );
         crate::telemetry::continue_trace(&span, request.metadata());
+        let registered = self.registry.subscribers().register(
+            caller.to_string(),
+            protocol.label(),
+            vec![canonical.to_string()],
+        );
         let delivery = Delivery::new(
             self.registry.metrics().clone(),
             &canonical,
             protocol.metric(),
             started,
             subscription.cold,
+            Some((registered, 0)),
         );
         let name = flag_name(&canonical);
         let context = self.context.clone();
@@ -607,12 +622,22 @@ struct SetStream {
     context: Context,
     protocol: Protocol,
     limit: usize,
+    set: Set,
+    /// The version of the members the queued configurations bring the client to, recorded in
+    /// `part` once the last of them is handed over.
+    pending: Option<Arc<str>>,
+    part: PartRef,
 }
 
 impl SetStream {
     async fn next(&mut self) -> Result<Encoded, Status> {
         loop {
             if let Some(bytes) = self.queue.pop_front() {
+                if self.queue.is_empty()
+                    && let Some(version) = self.pending.take()
+                {
+                    record(&self.part, Delivered::Set(version));
+                }
                 return Ok(Encoded(bytes));
             }
             if !std::mem::take(&mut self.first) {
@@ -636,14 +661,13 @@ impl SetStream {
                         None => continue,
                         Some(wire) => wire?,
                     };
-                    if *last == Some(wire.digest) {
-                        continue;
+                    if *last != Some(wire.digest) {
+                        if wire.bytes.len() > limit {
+                            return Err(too_large(name, wire.bytes.len(), limit));
+                        }
+                        *last = Some(wire.digest);
+                        self.queue.push_back(wire.bytes);
                     }
-                    if wire.bytes.len() > limit {
-                        return Err(too_large(name, wire.bytes.len(), limit));
-                    }
-                    *last = Some(wire.digest);
-                    self.queue.push_back(wire.bytes);
                 }
                 Updates::Incremental(held) => {
                     let merge = match merge(metrics, name, &current) {
@@ -658,6 +682,13 @@ impl SetStream {
                             .push_back(self.protocol.encode(config, &self.context));
                     }
                 }
+            }
+            // What the client holds once the queue is handed over (at once if nothing differs).
+            self.pending = Some(current.version(&self.set));
+            if self.queue.is_empty()
+                && let Some(version) = self.pending.take()
+            {
+                record(&self.part, Delivered::Set(version));
             }
         }
     }
@@ -695,7 +726,7 @@ fn configurations(
         }
         last = Some(wire.digest);
         delivery.sent(match state {
-            State::Present(u) => Some(u.as_ref()),
+            State::Present(u) => Some(u),
             _ => None,
         });
         Next::Send(Encoded(wire.bytes))

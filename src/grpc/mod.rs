@@ -16,7 +16,9 @@ use crate::conn::{ConnDrain, DrainReason};
 use crate::pb;
 use crate::pb::broker_server::Broker;
 use crate::pb::subscribe_response::Event;
-use crate::registry::{Refused, Registry, State, Subscription, Update, Watched};
+use crate::registry::{
+    Delivered, PartRef, Refused, Registry, State, Subscription, Update, Watched,
+};
 use crate::selector::{KindRef, ParseError, Selector};
 use crate::source::{ALL_NAMESPACES, Set, Source, SourceError};
 use crate::telemetry::{
@@ -28,7 +30,7 @@ pub mod flagd;
 pub mod frame;
 mod messages;
 mod sets;
-pub use sets::set_version;
+pub use crate::registry::set_version;
 pub mod wire;
 
 use frame::Frame;
@@ -313,7 +315,15 @@ impl<S: Source> BrokerService<S> {
             }
         };
         tracing::debug!(%set, %caller, "set subscribed");
-        Ok(Response::new(sets::stream(set, members, 0, ends, resume)))
+        let registered = self.registry.subscribers().register(
+            caller.to_string(),
+            "native",
+            vec![set.to_string()],
+        );
+        let part = Some((registered, 0));
+        Ok(Response::new(sets::stream(
+            set, members, 0, ends, resume, part,
+        )))
     }
 }
 
@@ -383,6 +393,10 @@ impl<S: Source> Broker for BrokerService<S> {
             caller = %caller
         );
         crate::telemetry::continue_trace(&span, &metadata);
+        let registered =
+            self.registry
+                .subscribers()
+                .register(caller.to_string(), "native", names.clone());
         // Whether any part has sent: a part that fails after that sends FAILED and goes on.
         let served = Arc::new(AtomicBool::new(false));
         let mut streams: Vec<_> = canonical
@@ -396,6 +410,7 @@ impl<S: Source> Broker for BrokerService<S> {
                     Protocol::Native,
                     started,
                     subscription.cold,
+                    Some((registered.clone(), i)),
                 );
                 let next = native_messages(
                     i as u32,
@@ -430,13 +445,14 @@ pub(crate) fn drain_of<T>(request: &Request<T>, shutdown: &CancellationToken) ->
 
 /// One subscriber's view of one resource, for the metrics: counted in the subscriber gauge
 /// while it lives; its first message timed from the subscribe; later ones counted towards the
-/// update's fan-out time.
+/// update's fan-out time; the version it was last handed recorded for `/debug/subscribers`.
 pub(crate) struct Delivery {
     metrics: Arc<Metrics>,
     labels: SubscriberLabels,
     started: Instant,
     cold: bool,
     first: bool,
+    part: PartRef,
 }
 
 impl Delivery {
@@ -446,6 +462,7 @@ impl Delivery {
         protocol: Protocol,
         started: Instant,
         cold: bool,
+        part: PartRef,
     ) -> Self {
         let labels = SubscriberLabels {
             resource: ResourceLabels::of(&selector.kind).resource,
@@ -458,12 +475,16 @@ impl Delivery {
             started,
             cold,
             first: true,
+            part,
         }
     }
 
     /// Records that a message about `update` (none for an absent resource) was handed to the
     /// transport.
-    pub(crate) fn sent(&mut self, update: Option<&Update>) {
+    pub(crate) fn sent(&mut self, update: Option<&Arc<Update>>) {
+        let what = update.map_or(Delivered::Absent, |u| Delivered::Object(u.clone()));
+        crate::registry::subscribers::record(&self.part, what);
+        let update = update.map(|u| &**u);
         if std::mem::take(&mut self.first) {
             let labels = FirstMessageLabels {
                 protocol: self.labels.protocol,
@@ -747,7 +768,7 @@ fn native_messages(
         Step::Send(event, update) => {
             served.store(true, Ordering::Release);
             failed = None;
-            delivery.sent(update.as_deref());
+            delivery.sent(update.as_ref());
             let shared = match &update {
                 Some(u) => {
                     u.wire(NATIVE_WIRE, |o| frame::encode_object(&selector, o))

@@ -16,34 +16,19 @@ use tonic::Status;
 use super::NATIVE_WIRE;
 use super::frame::{self, Frame};
 use crate::pb::subscribe_response::Event;
-use crate::registry::{Members, StableHash, Subscription, Update};
+use crate::registry::subscribers::record;
+use crate::registry::{Delivered, Members, PartRef, Subscription, Update};
 use crate::source::Set;
 
-/// The version of a set's members, as SYNCED carries it (`SubscribeResponse.set_version`): the
-/// FNV-1a 64-bit hash, as 16 lowercase hex digits, of each member's
-/// `<selector>\n<uid>\n<resource_version>\n` in byte order of the selectors. The same on every
-/// replica for the same members, and computable by a client from the members it holds.
-pub fn set_version<'a>(members: impl IntoIterator<Item = (&'a str, &'a str, &'a str)>) -> String {
-    let mut members: Vec<(&str, &str, &str)> = members.into_iter().collect();
-    members.sort_unstable();
-    let mut hash = StableHash::default();
-    for (selector, uid, resource_version) in members {
-        for part in [selector, uid, resource_version] {
-            hash.write(part.as_bytes());
-            hash.write(b"\n");
-        }
-    }
-    hash.hex()
-}
-
 /// One subscriber's stream of `set`, at `index` of its request; `resume` is the set version the
-/// client holds, if it gives one.
+/// client holds, if it gives one; the version it was last handed recorded in `part`.
 pub(crate) fn stream(
     set: Set,
     members: Subscription<Members>,
     index: u32,
     ends: impl std::future::Future<Output = Status> + Send + 'static,
     resume: Option<String>,
+    part: PartRef,
 ) -> BoxStream<'static, Result<Frame, Status>> {
     struct View {
         set: Set,
@@ -52,6 +37,10 @@ pub(crate) fn stream(
         synced: bool,
         queue: VecDeque<Frame>,
         resume: Option<String>,
+        /// The version of the members the queued frames bring the client to, recorded once
+        /// the last of them is handed over.
+        pending: Option<Arc<str>>,
+        part: PartRef,
     }
     impl View {
         fn frame(&self, event: Event, name: &str, update: &Update) -> Frame {
@@ -67,18 +56,7 @@ pub(crate) fn stream(
 
         /// The version of `members`, as their selectors name them.
         fn version(&self, members: &Members) -> String {
-            let selectors: Vec<(String, &Update)> = members
-                .objects
-                .iter()
-                .map(|(name, u)| (self.set.member(name).to_string(), &**u))
-                .collect();
-            set_version(selectors.iter().map(|(selector, u)| {
-                (
-                    selector.as_str(),
-                    u.object.uid.as_str(),
-                    u.object.resource_version.as_str(),
-                )
-            }))
+            members.version(&self.set).to_string()
         }
 
         fn synced(&mut self, version: String) {
@@ -149,6 +127,8 @@ pub(crate) fn stream(
         synced: false,
         queue: VecDeque::new(),
         resume,
+        pending: None,
+        part,
     };
     let ends = Box::pin(ends);
     let frames = futures::stream::unfold(
@@ -156,6 +136,11 @@ pub(crate) fn stream(
         |(mut view, mut ends, mut first, mut rx)| async move {
             loop {
                 if let Some(frame) = view.queue.pop_front() {
+                    if view.queue.is_empty()
+                        && let Some(version) = view.pending.take()
+                    {
+                        record(&view.part, Delivered::Set(version));
+                    }
                     return Some((Ok(frame), (view, ends, first, rx)));
                 }
                 if !std::mem::take(&mut first) {
@@ -177,6 +162,14 @@ pub(crate) fn stream(
                     return Some((Err(status), (view, ends, false, rx)));
                 }
                 view.catch_up(&members);
+                if view.synced {
+                    view.pending = Some(members.version(&view.set));
+                    if view.queue.is_empty()
+                        && let Some(version) = view.pending.take()
+                    {
+                        record(&view.part, Delivered::Set(version));
+                    }
+                }
             }
         },
     );
@@ -245,6 +238,7 @@ mod tests {
                 registry.subscribe(&set),
                 0,
                 std::future::pending(),
+                None,
                 None,
             );
             let sent: Vec<Frame> = s.take(4).map(Result::unwrap).collect().await;

@@ -40,11 +40,13 @@ use crate::source::{Object, Source, SourceError};
 use crate::telemetry::{ErrorLabels, Metrics, ResourceLabels, StopLabels, StopReason};
 
 mod pool;
+pub mod subscribers;
 #[cfg(test)]
 mod tests;
 mod watched;
 
-pub use watched::{Members, Summary, Tables, Watched};
+pub use subscribers::{Delivered, PartRef, Subscribers};
+pub use watched::{Members, Summary, Tables, Watched, set_version};
 
 /// How long a watch outlives its last subscriber by default (ADR 0005).
 pub const DEFAULT_LINGER: Duration = Duration::from_secs(30);
@@ -276,6 +278,8 @@ pub struct WatchStatus {
     pub resource_version: Option<String>,
     /// A set's members, once listed.
     pub members: Option<usize>,
+    /// The version a subscriber holding the current state was handed ([`Summary::version`]).
+    pub version: Option<String>,
     /// Errors the source reported since the watch started.
     pub errors: u64,
     /// New states published since the watch started.
@@ -300,7 +304,7 @@ struct Stats {
 
 impl Stats {
     fn status<W: Watched>(&self, watched: &W, tx: &watch::Sender<W::State>) -> WatchStatus {
-        let summary = W::summary(&tx.borrow());
+        let summary = watched.summary(&tx.borrow());
         WatchStatus {
             selector: watched.to_string(),
             subscribers: tx.receiver_count(),
@@ -311,6 +315,7 @@ impl Stats {
                 .unwrap_or_else(PoisonError::into_inner),
             resource_version: summary.resource_version,
             members: summary.members,
+            version: summary.version,
             errors: self.errors.load(Ordering::Relaxed),
             updates: self.updates.load(Ordering::Relaxed),
             stale_since: *self
@@ -352,6 +357,7 @@ struct Inner<S> {
     shutdown: CancellationToken,
     next_id: AtomicU64,
     metrics: Arc<Metrics>,
+    subscribers: Subscribers,
 }
 
 impl<S> Inner<S> {
@@ -399,6 +405,7 @@ impl<S: Source> Registry<S> {
                 shutdown,
                 next_id: AtomicU64::new(1),
                 metrics,
+                subscribers: Subscribers::default(),
             }),
         }
     }
@@ -406,6 +413,11 @@ impl<S: Source> Registry<S> {
     /// The metrics it records into.
     pub fn metrics(&self) -> &Arc<Metrics> {
         &self.inner.metrics
+    }
+
+    /// The open streams, and what each was last handed ([`subscribers`]).
+    pub fn subscribers(&self) -> &Subscribers {
+        &self.inner.subscribers
     }
 
     /// The source.

@@ -45,7 +45,7 @@ pub trait Watched:
     ) -> bool;
 
     /// What `/debug/watches` says of `state`: a resource's resourceVersion, a set's member count.
-    fn summary(state: &Self::State) -> Summary;
+    fn summary(&self, state: &Self::State) -> Summary;
 
     /// The registry's table of entries of this type.
     fn table(tables: &Tables) -> &DashMap<Self, Entry<Self::State>>;
@@ -67,6 +67,10 @@ pub struct Summary {
     pub resource_version: Option<String>,
     /// A set's members, once listed.
     pub members: Option<usize>,
+    /// The version a subscriber holding this state was handed: the resourceVersion, or the
+    /// set's version (`SYNCED.set_version`) once listed; empty for a resource that does not
+    /// exist; none while nothing is known.
+    pub version: Option<String>,
 }
 
 impl Watched for Selector {
@@ -148,12 +152,17 @@ impl Watched for Selector {
         }
     }
 
-    fn summary(state: &State) -> Summary {
+    fn summary(&self, state: &State) -> Summary {
+        let resource_version = match state {
+            State::Present(u) => Some(u.object.resource_version.clone()),
+            _ => None,
+        };
         Summary {
-            resource_version: match state {
-                State::Present(u) => Some(u.object.resource_version.clone()),
-                _ => None,
+            version: match state {
+                State::Absent { .. } => Some(String::new()),
+                _ => resource_version.clone(),
             },
+            resource_version,
             members: None,
         }
     }
@@ -184,6 +193,24 @@ pub struct Members {
 struct SetForms {
     wire: [OnceLock<Wire>; WIRE_SLOTS],
     decoded: OnceLock<Arc<dyn std::any::Any + Send + Sync>>,
+    version: OnceLock<Arc<str>>,
+}
+
+/// The version of a set's members, as SYNCED carries it (`SubscribeResponse.set_version`): the
+/// FNV-1a 64-bit hash, as 16 lowercase hex digits, of each member's
+/// `<selector>\n<uid>\n<resource_version>\n` in byte order of the selectors. The same on every
+/// replica for the same members, and computable by a client from the members it holds.
+pub fn set_version<'a>(members: impl IntoIterator<Item = (&'a str, &'a str, &'a str)>) -> String {
+    let mut members: Vec<(&str, &str, &str)> = members.into_iter().collect();
+    members.sort_unstable();
+    let mut hash = super::StableHash::default();
+    for (selector, uid, resource_version) in members {
+        for part in [selector, uid, resource_version] {
+            hash.write(part.as_bytes());
+            hash.write(b"\n");
+        }
+    }
+    hash.hex()
 }
 
 impl Members {
@@ -209,6 +236,28 @@ impl Members {
     /// from). One decoded form is kept; another type is decoded anew.
     pub fn decoded<T: Send + Sync + 'static>(&self, decode: impl FnOnce(&Members) -> T) -> Arc<T> {
         super::decoded_in(&self.forms.decoded, || decode(self))
+    }
+
+    /// The members' version ([`set_version`]) as members of `set`, computed once per state.
+    pub fn version(&self, set: &Set) -> Arc<str> {
+        self.forms
+            .version
+            .get_or_init(|| {
+                let selectors: Vec<(String, &Update)> = self
+                    .objects
+                    .iter()
+                    .map(|(name, u)| (set.member(name).to_string(), &**u))
+                    .collect();
+                set_version(selectors.iter().map(|(selector, u)| {
+                    (
+                        selector.as_str(),
+                        u.object.uid.as_str(),
+                        u.object.resource_version.as_str(),
+                    )
+                }))
+                .into()
+            })
+            .clone()
     }
 }
 
@@ -283,10 +332,11 @@ impl Watched for Set {
         })
     }
 
-    fn summary(members: &Members) -> Summary {
+    fn summary(&self, members: &Members) -> Summary {
         Summary {
             resource_version: None,
             members: members.synced.then(|| members.objects.len()),
+            version: members.synced.then(|| members.version(self).to_string()),
         }
     }
 

@@ -32,7 +32,8 @@ use tonic::{Request, Response, Status, Streaming};
 
 use crate::access::{Access, Caller};
 use crate::conn::{Peer, PeerAddr, canonical_ip};
-use crate::registry::{Members, Registry, StableHash, Subscription, Wire, slot};
+use crate::registry::subscribers::Registered;
+use crate::registry::{Delivered, Members, Registry, StableHash, Subscription, Wire, slot};
 use crate::selector::{KindRef, is_dns_label};
 use crate::source::{Set, Source};
 use crate::telemetry::{Metrics, Open};
@@ -323,6 +324,36 @@ struct Stream {
     own: Option<IpAddr>,
     types: HashMap<&'static str, Sent>,
     nonces: u64,
+    /// Where what it sent and what its client ACKed are kept, per type ([`PARTS`]), for
+    /// `/debug/subscribers`.
+    registered: Option<Arc<Registered>>,
+}
+
+/// The types a stream's entry in `/debug/subscribers` shows, in order.
+const PARTS: [&str; 3] = [
+    resources::LISTENER,
+    resources::CLUSTER,
+    resources::ENDPOINTS,
+];
+
+/// The names of [`PARTS`], as `/debug/subscribers` shows them.
+const PART_NAMES: [&str; 3] = ["listener", "cluster", "endpoints"];
+
+impl Stream {
+    /// Records, for `type_url`, what the client holds now (`delivered`) or should hold.
+    fn record(&self, type_url: &str, version: &str, delivered: bool) {
+        let (Some(registered), Some(index)) =
+            (&self.registered, PARTS.iter().position(|t| *t == type_url))
+        else {
+            return;
+        };
+        let version: Arc<str> = version.into();
+        if delivered {
+            registered.delivered(index, Delivered::Xds(version));
+        } else {
+            registered.current(index, version);
+        }
+    }
 }
 
 impl Stream {
@@ -391,6 +422,8 @@ impl Stream {
         if !force && sent.version.as_deref() == Some(version.as_str()) {
             if let Some(r#type) = resources::known(type_url).filter(|_| resumed) {
                 self.metrics.xds.resumed(r#type);
+                self.record(type_url, &version, false);
+                self.record(type_url, &version, true);
             }
             return None;
         }
@@ -404,6 +437,7 @@ impl Stream {
             nonce: sent.nonce.clone(),
             ..Default::default()
         };
+        self.record(type_url, &response.version_info, false);
         if let Some(r#type) = resources::known(type_url) {
             self.metrics
                 .xds
@@ -455,6 +489,22 @@ impl Stream {
         if !request.response_nonce.is_empty() && request.response_nonce != sent.nonce {
             return Ok(None);
         }
+        let answers = !request.response_nonce.is_empty();
+        if let (Some(registered), true) = (&self.registered, answers) {
+            let counter = match request.error_detail {
+                Some(_) => &registered.nacks,
+                None => &registered.acks,
+            };
+            counter.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+        if answers
+            && request.error_detail.is_none()
+            && let Some(version) = sent.version.clone()
+        {
+            // An ACK: the client holds what was sent with that nonce.
+            self.record(type_url, &version, true);
+        }
+        let sent = self.types.entry(type_url).or_default();
         if let Some(error) = &request.error_detail {
             if let Some(r#type) = r#type {
                 self.metrics.xds.refused(r#type);
@@ -638,12 +688,18 @@ impl<S: Source> AggregatedDiscoveryService for Xds<S> {
         let mut requests = request.into_inner();
         let mut members = self.subscribe()?;
         let mut draining = self.drain.watch();
+        let parts = PART_NAMES.iter().map(|t| t.to_string()).collect();
+        let registered = self
+            .registry
+            .subscribers()
+            .register(caller.to_string(), "xds", parts);
         let mut stream = Stream {
             shared: self.shared.clone(),
             metrics: self.registry.metrics().clone(),
             own,
             types: HashMap::new(),
             nonces: 0,
+            registered: Some(registered),
         };
         let outbox = Arc::new(Outbox::default());
         // The client gone (the response stream dropped), the stream's task ends.

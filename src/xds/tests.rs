@@ -55,6 +55,7 @@ fn stream(own: Option<&str>) -> Stream {
         own: own.map(|ip| ip.parse().unwrap()),
         types: HashMap::new(),
         nonces: 0,
+        registered: None,
     }
 }
 

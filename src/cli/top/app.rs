@@ -25,6 +25,23 @@ pub struct WatchRow {
     pub(super) updates: u64,
 }
 
+/// A stream that does not hold the current state, as `/debug/subscribers` lists it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SubscriberRow {
+    /// The caller.
+    pub caller: String,
+    /// The protocol.
+    pub protocol: String,
+    /// `STALE` or `NOT SENT`.
+    pub status: String,
+    /// The first resource (or xDS type) it is behind on.
+    pub resource: String,
+    /// The version it was last handed of it, and the current one.
+    pub delivered: String,
+    /// See `delivered`.
+    pub current: String,
+}
+
 /// What one refresh read from the broker.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Snapshot {
@@ -40,6 +57,14 @@ pub struct Snapshot {
     pub sync_streams: f64,
     /// The broker's version.
     pub version: String,
+    /// Streams holding the current state, not yet, and handed nothing yet.
+    pub synced: u64,
+    /// See `synced`.
+    pub stale: u64,
+    /// See `synced`.
+    pub not_sent: u64,
+    /// The streams behind, the stale first.
+    pub behind: Vec<SubscriberRow>,
 }
 
 /// The view's state.

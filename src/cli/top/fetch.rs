@@ -5,7 +5,7 @@ use std::time::{Duration, SystemTime};
 use anyhow::Context;
 use serde_json::Value;
 
-use super::{Snapshot, WatchRow};
+use super::{Snapshot, SubscriberRow, WatchRow};
 
 /// `host:port` of an admin address given as a URL or as `host:port`.
 pub(super) fn authority(admin: &str) -> anyhow::Result<String> {
@@ -67,13 +67,15 @@ async fn get(authority: &str, path: &str, token: Option<&str>) -> anyhow::Result
 /// (a broker with `--admin-auth kubernetes` asks callers outside its pod for one).
 pub async fn fetch(admin: &str, token: Option<&str>) -> anyhow::Result<Snapshot> {
     let authority = authority(admin)?;
-    let (watches, callers, metrics) = tokio::try_join!(
+    let (watches, callers, subscribers, metrics) = tokio::try_join!(
         get(&authority, "/debug/watches", token),
         get(&authority, "/debug/callers", token),
+        get(&authority, "/debug/subscribers", token),
         get(&authority, "/metrics", token),
     )?;
     let watches: Value = serde_json::from_str(&watches).context("/debug/watches")?;
     let callers: Value = serde_json::from_str(&callers).context("/debug/callers")?;
+    let subscribers: Value = serde_json::from_str(&subscribers).context("/debug/subscribers")?;
     let now = SystemTime::now();
     let seconds_since = |v: &Value| {
         v.as_str()
@@ -126,6 +128,34 @@ pub async fn fetch(admin: &str, token: Option<&str>) -> anyhow::Result<Snapshot>
                 .unwrap_or_default();
         }
     }
+    let text = |v: &Value| match v {
+        Value::String(s) if s.is_empty() => "(absent)".to_string(),
+        Value::String(s) => s.clone(),
+        _ => "-".to_string(),
+    };
+    let behind = subscribers["subscribers"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|s| s["status"] != "SYNCED")
+        .map(|s| {
+            let part = s["resources"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .find(|p| p["status"] != "SYNCED")
+                .cloned()
+                .unwrap_or_default();
+            SubscriberRow {
+                caller: s["caller"].as_str().unwrap_or_default().to_string(),
+                protocol: s["protocol"].as_str().unwrap_or_default().to_string(),
+                status: s["status"].as_str().unwrap_or_default().to_string(),
+                resource: part["selector"].as_str().unwrap_or_default().to_string(),
+                delivered: text(&part["delivered"]),
+                current: text(&part["current"]),
+            }
+        })
+        .collect();
     Ok(Snapshot {
         watches,
         callers: list,
@@ -133,6 +163,10 @@ pub async fn fetch(admin: &str, token: Option<&str>) -> anyhow::Result<Snapshot>
         connections,
         sync_streams,
         version,
+        synced: number(&subscribers["synced"]),
+        stale: number(&subscribers["stale"]),
+        not_sent: number(&subscribers["notSent"]),
+        behind,
     })
 }
 

@@ -1,6 +1,8 @@
 //! `crd-broker top`: a live terminal view of a broker, read from its admin endpoints
-//! (`/debug/watches`, `/debug/callers`, `/metrics`). Each watch with its subscribers, update
-//! rate, last event, errors and staleness; the connections and the callers with streams open.
+//! (`/debug/watches`, `/debug/callers`, `/debug/subscribers`, `/metrics`). Each watch with its
+//! subscribers, update rate, last event, errors and staleness; the connections and the callers
+//! with streams open; how many streams hold the current state (SYNCED) and which do not yet
+//! (STALE), as `istioctl proxy-status` shows proxies.
 //! Sorted by a column of your choice, refreshed every interval, `q` to quit.
 //!
 //! [`fetch`] reads a [`Snapshot`] from the broker, the [`App`] keeps it (with the rates from the
@@ -15,7 +17,7 @@ mod app;
 mod fetch;
 mod view;
 
-pub use app::{App, Snapshot, WatchRow};
+pub use app::{App, Snapshot, SubscriberRow, WatchRow};
 pub use fetch::fetch;
 pub use view::draw;
 

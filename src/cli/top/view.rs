@@ -1,5 +1,6 @@
 //! The view drawn: a header with the totals, the watches (each resource named as `kubectl get`
-//! names it, whole, the other columns giving way to it) and the callers.
+//! names it, whole, the other columns giving way to it), the callers, and the streams that do
+//! not hold the current state yet.
 
 use ratatui::Frame;
 use ratatui::layout::{Constraint, Layout};
@@ -171,7 +172,10 @@ pub fn draw(app: &App, frame: &mut Frame) {
     .areas(frame.area());
     frame.render_widget(summary(app), header);
     frame.render_widget(watches_table(app, watches.width.saturating_sub(2)), watches);
+    let [callers, behind] =
+        Layout::horizontal([Constraint::Fill(1), Constraint::Fill(2)]).areas(callers);
     frame.render_widget(callers_table(app), callers);
+    frame.render_widget(behind_table(app), behind);
     frame.render_widget(
         Paragraph::new("q quit   s next sort column   1-6 sort by column   r reverse").dim(),
         help,
@@ -190,13 +194,16 @@ fn summary(app: &App) -> Paragraph<'static> {
                 .filter_map(|w| w.rate)
                 .fold(0.0, |a, b| a + b);
             format!(
-                "watches {}   subscribers {}   updates/s {:.1}   connections {}   flagd streams {}   callers {}",
+                "watches {}   subscribers {}   updates/s {:.1}   connections {}   flagd streams {}   callers {}   synced {}   stale {}   not sent {}",
                 s.watches.len(),
                 subscribers,
                 rate,
                 s.connections,
                 s.sync_streams,
-                s.callers_total
+                s.callers_total,
+                s.synced,
+                s.stale,
+                s.not_sent
             )
         }
         None => "reading…".to_string(),
@@ -286,6 +293,49 @@ fn callers_table(app: &App) -> Table<'static> {
     Table::new(rows, [Constraint::Fill(1), Constraint::Length(10)])
         .header(Row::new(["CALLER", "STREAMS"]).style(Style::new().add_modifier(Modifier::BOLD)))
         .block(Block::bordered().title(" callers "))
+}
+
+/// The streams that do not hold the current state, the stale first: what each was last handed
+/// of the first resource it is behind on, against the current version.
+fn behind_table(app: &App) -> Table<'static> {
+    let rows: Vec<Row> = app
+        .snapshot
+        .iter()
+        .flat_map(|(s, _)| s.behind.iter())
+        .map(|b| {
+            let (_, _, object) = shown(&b.resource);
+            let status = match b.status.as_str() {
+                "STALE" => Cell::from(b.status.clone()).red(),
+                _ => Cell::from(b.status.clone()),
+            };
+            Row::new(vec![
+                Cell::from(b.caller.clone()),
+                Cell::from(b.protocol.clone()),
+                Cell::from(object),
+                Cell::from(format!("{} → {}", b.delivered, b.current)),
+                status,
+            ])
+        })
+        .collect();
+    let widths = [
+        Constraint::Fill(2),
+        Constraint::Length(8),
+        Constraint::Fill(2),
+        Constraint::Fill(2),
+        Constraint::Length(8),
+    ];
+    Table::new(rows, widths)
+        .header(
+            Row::new([
+                "CALLER",
+                "PROTOCOL",
+                "RESOURCE",
+                "HANDED → CURRENT",
+                "STATUS",
+            ])
+            .style(Style::new().add_modifier(Modifier::BOLD)),
+        )
+        .block(Block::bordered().title(" subscribers behind "))
 }
 
 #[cfg(test)]
