@@ -365,6 +365,30 @@ async fn relists_are_quorum_reads_and_watches_resume_from_the_last_version() {
     );
 }
 
+#[tokio::test]
+async fn an_error_in_a_watchs_stream_starts_over_from_a_list() {
+    // A real kube-apiserver without its watch cache answers a watch resumed at the revision
+    // etcd was compacted to with 500 "etcd event received with PrevKv=nil" in the stream, on
+    // every try from that version (tests/real_faults.rs): resuming from it again would never end.
+    let h = start(Duration::from_secs(30)).await;
+    h.fake.apply(flag("demo", "v0")).unwrap();
+    let mut client = h.client().await;
+    let mut s = subscribe(&mut client, &[&demo("demo")]).await;
+    next(&mut s).await;
+    let lists = |h: &Harness| {
+        h.fake
+            .requests()
+            .iter()
+            .filter(|r| r.verb == "list" && r.path == NS_PATH)
+            .count()
+    };
+    let before = lists(&h);
+    h.fake.error_watches(500);
+    patch(&h.fake, "demo", "v1");
+    until(&mut s, |r| variant(r) == "v1").await;
+    assert_eq!(lists(&h), before + 1, "one relist after the error");
+}
+
 /// A TCP proxy on 127.0.0.2 to `to` whose connections can be blackholed: both directions stop,
 /// no FIN or RST is sent, the sockets stay open — as when the peer's node vanishes.
 async fn blackholing_proxy(

@@ -1,6 +1,7 @@
 //! Following one object: a LIST and a WATCH with `fieldSelector=metadata.name=…`, resumed from
-//! the last resourceVersion seen, relisted only when the API server says that version is gone
-//! (410), and retried with the broker's own backoff (ADR 0013) rather than kube's watcher:
+//! the last resourceVersion seen, relisted when the API server says that version is gone (410)
+//! or ends a watch with any other error in its stream, and retried with the broker's own
+//! backoff (ADR 0013) rather than kube's watcher:
 //!
 //! - the backoff restarts once a watch has held ([`Backoff`]), not only when an event arrives, so
 //!   a quiet object that keeps meeting faults is not left unwatched for half a minute;
@@ -397,11 +398,14 @@ impl Follow {
                                 self.relist();
                                 continue;
                             }
+                            // Any other error the server ends a watch with in its stream
+                            // starts over from a LIST, as client-go's reflector does: resumed
+                            // from the same version, the watch may meet it again and again.
+                            // Without the watch cache, a watch resumed at the revision etcd
+                            // was compacted to is answered 500 "etcd event received with
+                            // PrevKv=nil" for the next write, on every try.
                             WatchEvent::Error(s) => {
-                                return Some((
-                                    self.fail(kube::Error::Api(s), Phase::Watch(rv)),
-                                    self,
-                                ));
+                                return Some((self.fail(kube::Error::Api(s), Phase::List), self));
                             }
                         };
                         self.phase = Phase::Streaming {
