@@ -260,16 +260,14 @@ async fn max_watches_refuses_new_watches_and_serves_the_watched() {
     assert_eq!(fake.open_watches(), 3);
 }
 
-#[tokio::test]
-async fn streams_per_caller_are_limited_per_caller() {
-    let fake = fake().await;
-    fake.apply(flag("demo", "on")).unwrap();
+/// A broker on `fake` with `limits`, on a port of its own.
+async fn limited(
+    fake: &fake_apiserver::FakeApiServer,
+    limits: limits::Config,
+) -> crd_broker::broker::Running<crd_broker::source::kubernetes::Kubernetes> {
     let config = crd_broker::broker::Config {
         access: Settings {
-            limits: limits::Config {
-                max_streams_per_caller: 2,
-                ..limits::Config::default()
-            },
+            limits,
             ..Settings::default()
         },
         ..Default::default()
@@ -277,7 +275,21 @@ async fn streams_per_caller_are_limited_per_caller() {
     let listeners = crd_broker::broker::Listeners::tcp(
         tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap(),
     );
-    let broker = broker_with(&fake, listeners, config, vec![]);
+    broker_with(fake, listeners, config, vec![])
+}
+
+#[tokio::test]
+async fn streams_per_caller_are_limited_per_caller() {
+    let fake = fake().await;
+    fake.apply(flag("demo", "on")).unwrap();
+    let broker = limited(
+        &fake,
+        limits::Config {
+            max_streams_per_caller: 2,
+            ..limits::Config::default()
+        },
+    )
+    .await;
     let mut a = connect_from(broker.addr, "127.0.0.2").await;
     let mut first = subscribe(&mut a, &[&demo("demo")]).await;
     next(&mut first).await;
@@ -321,20 +333,14 @@ async fn new_streams_over_the_brokers_pace_are_refused_with_a_time_to_try_again(
     let fake = fake().await;
     fake.apply(flag("demo", "on")).unwrap();
     // One new stream every two seconds for the whole broker.
-    let config = crd_broker::broker::Config {
-        access: Settings {
-            limits: limits::Config {
-                max_new_streams_per_second: 0.5,
-                ..limits::Config::default()
-            },
-            ..Settings::default()
+    let broker = limited(
+        &fake,
+        limits::Config {
+            max_new_streams_per_second: 0.5,
+            ..limits::Config::default()
         },
-        ..Default::default()
-    };
-    let listeners = crd_broker::broker::Listeners::tcp(
-        tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap(),
-    );
-    let broker = broker_with(&fake, listeners, config, vec![]);
+    )
+    .await;
     let mut a = connect_from(broker.addr, "127.0.0.2").await;
     let mut held = subscribe(&mut a, &[&demo("demo")]).await;
     assert_eq!(next(&mut held).await.event(), Event::Snapshot);

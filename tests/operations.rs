@@ -407,6 +407,16 @@ async fn subscribers_of(admin: std::net::SocketAddr, ip: &str) -> (Value, Vec<Va
     (view, rows)
 }
 
+/// Waits until the stream of the caller at `ip` is SYNCED in `/debug/subscribers`.
+async fn synced_eventually(admin: std::net::SocketAddr, ip: &str) {
+    let what = format!("the stream of {ip} is handed the last state");
+    eventually(&what, WAIT, async || {
+        let (_, rows) = subscribers_of(admin, ip).await;
+        rows[0]["status"] == "SYNCED"
+    })
+    .await;
+}
+
 #[tokio::test]
 async fn debug_subscribers_says_which_streams_hold_the_current_state_and_which_are_stale() {
     let fake = fake().await;
@@ -453,25 +463,9 @@ async fn debug_subscribers_says_which_streams_hold_the_current_state_and_which_a
         .as_str()
         .unwrap()
         .to_string();
-    eventually(
-        "the flagd stream is handed the last state",
-        WAIT,
-        async || {
-            let (_, rows) = subscribers_of(admin, "127.0.0.4").await;
-            rows[0]["status"] == "SYNCED"
-        },
-    )
-    .await;
+    synced_eventually(admin, "127.0.0.4").await;
 
-    eventually(
-        "the set's stream is handed the last state",
-        WAIT,
-        async || {
-            let (_, rows) = subscribers_of(admin, "127.0.0.5").await;
-            rows[0]["status"] == "SYNCED"
-        },
-    )
-    .await;
+    synced_eventually(admin, "127.0.0.5").await;
     let (view, rows) = subscribers_of(admin, "127.0.0.5").await;
     let part = &rows[0]["resources"][0];
     assert_eq!(part["current"].as_str().map(str::len), Some(16), "{view}");
@@ -508,15 +502,7 @@ async fn debug_subscribers_says_which_streams_hold_the_current_state_and_which_a
 
     // Once it reads, the stalled one catches up; a stream that ends leaves the list.
     until(&mut stalled, |r| variant(r) == "v40").await;
-    eventually(
-        "the stalled stream is handed the last state",
-        WAIT,
-        async || {
-            let (_, rows) = subscribers_of(admin, "127.0.0.3").await;
-            rows[0]["status"] == "SYNCED"
-        },
-    )
-    .await;
+    synced_eventually(admin, "127.0.0.3").await;
     sync.abort();
     set.abort();
     drop(reading);
