@@ -13,6 +13,7 @@ use crate::access::{self, Access, Authenticate};
 use crate::grpc::BrokerService;
 use crate::grpc::flagd::{FlagdCore, FlagdService, LegacyService};
 use crate::grpc::wire::Streams;
+use crate::grpc::xds::{Drain, Xds};
 use crate::ops::health::Readiness;
 use crate::pb::broker_server::Broker as _;
 use crate::pb::flagd::flag_sync_service_server::FlagSyncService as _;
@@ -23,7 +24,6 @@ use crate::registry::{DEFAULT_LINGER, Registry};
 use crate::source::{Source, SourceError};
 use crate::telemetry::{GrpcMethod, Known, Metrics};
 use crate::transport::{self, Serving};
-use crate::xds::{Drain, Xds};
 use envoy_types::pb::envoy::service::discovery::v3::aggregated_discovery_service_server::AggregatedDiscoveryServiceServer;
 
 /// How a broker behaves; the defaults are the command line's.
@@ -44,7 +44,7 @@ pub struct Config {
     /// Who may read the admin endpoints that tell what exists.
     pub admin: crate::ops::guard::Settings,
     /// The xDS name resolver for the broker's own Service, if on (`--xds-service`).
-    pub xds: Option<crate::xds::Settings>,
+    pub xds: Option<crate::grpc::xds::Settings>,
     /// What every flagd sync response carries as its `sync_context` (`--context-value`).
     pub flagd_context: Vec<(String, String)>,
 }

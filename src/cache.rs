@@ -5,9 +5,10 @@
 
 use std::collections::HashMap;
 use std::hash::Hash;
-use std::sync::{Mutex, PoisonError};
+use std::sync::Mutex;
 use std::time::Duration;
 
+use crate::sync::lock;
 use futures::FutureExt;
 use futures::future::{BoxFuture, Shared};
 use tokio::time::Instant;
@@ -47,7 +48,7 @@ where
         fetch: impl FnOnce() -> BoxFuture<'static, (V, Duration)>,
     ) -> V {
         let shared = {
-            let mut slots = self.slots.lock().unwrap_or_else(PoisonError::into_inner);
+            let mut slots = lock(&self.slots);
             let now = Instant::now();
             let live = slots.get(key).filter(|s| match s.peek() {
                 Some(done) => done.until > now,
@@ -81,7 +82,7 @@ where
 
     /// Whether `key` has a value that has not expired, or a fetch in flight.
     pub fn holds(&self, key: &K) -> bool {
-        let slots = self.slots.lock().unwrap_or_else(PoisonError::into_inner);
+        let slots = lock(&self.slots);
         let now = Instant::now();
         slots
             .get(key)
@@ -90,10 +91,7 @@ where
 
     /// Keys held now (expired ones included until they are evicted).
     pub fn len(&self) -> usize {
-        self.slots
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .len()
+        lock(&self.slots).len()
     }
 
     /// Whether it holds nothing.
@@ -103,10 +101,7 @@ where
 
     /// Forgets `key`.
     pub fn remove(&self, key: &K) {
-        self.slots
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .remove(key);
+        lock(&self.slots).remove(key);
     }
 }
 

@@ -29,7 +29,7 @@
 //! - [`source`] — the [`source::Source`] trait the registry is generic over, implemented by the
 //!   Kubernetes API (kube-rs `watch_object`) and a directory of manifests.
 //! - [`selector`] — selectors and the set syntax, parsed, displayed and validated in one place
-//!   (for the command line and the services alike); [`labels`] parses label selectors.
+//!   (for the command line and the services alike), sets, and label selectors ([`selector::labels`]).
 //! - [`cache`] — a bounded single-flight cache, for discovery, pod lookups and token reviews.
 //! - [`telemetry`] — metric families (each defined and registered in its layer's file: watches,
 //!   subscriptions, the gRPC server, access, Kubernetes API requests, xDS, the process), logs and
@@ -45,14 +45,13 @@ pub mod cache;
 pub mod cli;
 pub mod conn;
 pub mod grpc;
-pub mod labels;
 pub mod ops;
 pub mod registry;
 pub mod selector;
 pub mod source;
+pub mod sync;
 pub mod telemetry;
 pub mod transport;
-pub mod xds;
 pub mod yaml;
 
 /// Protobuf types, the generated clients (prost) and servers (pre-encoded streams).

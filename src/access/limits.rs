@@ -11,11 +11,12 @@
 //! spread over the time the refused ones need; no caller takes more than a quarter of the pace.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::time::Instant;
 
+use crate::sync::lock;
 use crate::telemetry::Limit;
 
 /// The limits.
@@ -190,7 +191,7 @@ impl Rates {
     pub fn take(&self, key: &str) -> bool {
         let (rate, burst) = (self.rate, self.burst);
         let now = Instant::now();
-        let mut buckets = self.buckets.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut buckets = lock(&self.buckets);
         buckets.sweep(|b| b.level(rate, burst, now) < burst);
         buckets
             .entries
@@ -202,11 +203,7 @@ impl Rates {
 
     /// Keys tracked now.
     pub fn len(&self) -> usize {
-        self.buckets
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .entries
-            .len()
+        lock(&self.buckets).entries.len()
     }
 
     /// Whether no key is tracked.
@@ -306,7 +303,7 @@ impl Limits {
         if rate <= 0.0 {
             return check();
         }
-        let mut pace = self.pace.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut pace = lock(&self.pace);
         if let Err(wait) = pace.check(rate, now) {
             return Err(Refusal {
                 limit: Limit::NewStreams,
@@ -326,9 +323,7 @@ impl Limits {
     /// The callers with streams open, by their limit key (`ip:…`, `pod:…`, `sa:…`, `unix:…`),
     /// and how many each has.
     pub fn callers(&self) -> Vec<(String, usize)> {
-        self.accounts
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
+        lock(&self.accounts)
             .entries
             .iter()
             .filter(|(_, a)| a.streams > 0)
@@ -350,7 +345,7 @@ impl Limits {
             });
         };
         let c = self.config;
-        let mut accounts = self.accounts.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut accounts = lock(&self.accounts);
         accounts.sweep(|a| {
             a.streams > 0
                 || a.watches > 0
@@ -434,7 +429,7 @@ impl Slot {
     /// (`None` for a caller the limits do not apply to).
     pub fn charge(&self, what: Charged) -> Option<Charge> {
         let key = self.key.clone()?;
-        let mut accounts = self.accounts.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut accounts = lock(&self.accounts);
         *accounts.entries.get_mut(&key)?.count(what) += 1;
         Some(Charge {
             key,
@@ -463,7 +458,7 @@ pub struct Charge {
 
 impl Drop for Charge {
     fn drop(&mut self) {
-        let mut accounts = self.accounts.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut accounts = lock(&self.accounts);
         if let Some(a) = accounts.entries.get_mut(&self.key) {
             let count = a.count(self.what);
             *count = count.saturating_sub(1);
@@ -474,7 +469,7 @@ impl Drop for Charge {
 impl Drop for Slot {
     fn drop(&mut self) {
         let Some(key) = &self.key else { return };
-        let mut accounts = self.accounts.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut accounts = lock(&self.accounts);
         if let Some(a) = accounts.entries.get_mut(key) {
             a.streams = a.streams.saturating_sub(1);
         }

@@ -18,7 +18,7 @@ use std::fmt;
 use std::net::IpAddr;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock, PoisonError, Weak};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::Duration;
 
 use http::HeaderMap;
@@ -27,6 +27,7 @@ use tonic::Status;
 
 use crate::conn::{Peer, PeerAddr};
 use crate::selector::Selector;
+use crate::sync::lock;
 use crate::telemetry::{
     Denial, DenialLabels, IdentifiedBy, IdentifyLabels, IdentifyResult, Limit, LimitLabels,
     Metrics, ReloadLabels, ReloadResult,
@@ -684,18 +685,15 @@ impl Access {
         // Streams of anonymous callers are never revoked: no policy applies to them.
         let registered = self.identifies();
         if registered {
-            self.open
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .insert(
-                    id,
-                    (
-                        caller.clone(),
-                        selectors.to_vec(),
-                        revoked.clone(),
-                        reason.clone(),
-                    ),
-                );
+            lock(&self.open).insert(
+                id,
+                (
+                    caller.clone(),
+                    selectors.to_vec(),
+                    revoked.clone(),
+                    reason.clone(),
+                ),
+            );
         }
         let ticket = Ticket {
             slot,
@@ -738,7 +736,7 @@ impl Access {
     /// Ends every open stream the policy now in force no longer allows.
     fn revoke_what_the_policy_forbids(&self) {
         let policy = self.policy.get();
-        let open = self.open.lock().unwrap_or_else(PoisonError::into_inner);
+        let open = lock(&self.open);
         for (caller, selectors, revoked, reason) in open.values() {
             if let Some(s) = selectors.iter().find(|s| !policy.may_read(caller, s)) {
                 let _ = reason.set(format!("{}; the policy changed", denial_message(caller, s)));
@@ -768,7 +766,7 @@ fn refusal_status(caller: &Caller, refused: limits::Refusal) -> Status {
 
 fn denial_message(caller: &Caller, selector: &Selector) -> String {
     match &selector.namespace {
-        Some(ns) if ns == crate::source::ALL_NAMESPACES => format!(
+        Some(ns) if ns == crate::selector::ALL_NAMESPACES => format!(
             "{caller} may not read {}.{} in every namespace: no policy grant reads \"*\"",
             selector.kind.resource, selector.kind.group
         ),
@@ -828,9 +826,7 @@ impl Ticket {
 impl Drop for Ticket {
     fn drop(&mut self) {
         if let Some(open) = &self.open {
-            open.lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .remove(&self.id);
+            lock(open).remove(&self.id);
         }
     }
 }

@@ -13,7 +13,7 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use futures::FutureExt;
@@ -22,6 +22,7 @@ use kube::api::{Api, PostParams};
 
 use super::{PodRef, Workload};
 use crate::cache::FlightCache;
+use crate::sync::lock;
 
 /// The longest a verified token is trusted without asking again.
 pub const MAX_TTL: Duration = Duration::from_secs(300);
@@ -71,7 +72,7 @@ struct Verified(Mutex<HashMap<Digest, (Workload, tokio::time::Instant)>>);
 
 impl Verified {
     fn get(&self, key: &Digest) -> Option<Workload> {
-        let map = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        let map = lock(&self.0);
         let (workload, until) = map.get(key)?;
         (*until > tokio::time::Instant::now()).then(|| workload.clone())
     }
@@ -80,7 +81,7 @@ impl Verified {
     /// soonest (all verified: a real token is never pushed out by a made-up one).
     fn insert(&self, key: Digest, workload: Workload, ttl: Duration) {
         let now = tokio::time::Instant::now();
-        let mut map = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut map = lock(&self.0);
         if map.len() >= CAPACITY && !map.contains_key(&key) {
             map.retain(|_, (_, until)| *until > now);
             while map.len() >= CAPACITY {

@@ -301,7 +301,7 @@ pub struct Serve {
     /// `xds:///NAME.NAMESPACE:PORT` target learn its ready replicas from its EndpointSlices as
     /// they change (ADR 0023). Off when unset.
     #[arg(long, env = "CRD_BROKER_XDS_SERVICE")]
-    pub xds_service: Option<crate::xds::XdsService>,
+    pub xds_service: Option<crate::grpc::xds::XdsService>,
     /// A value every flagd sync response carries in its `sync_context`, as flagd's own
     /// `--context-value`: `KEY=VALUE`, repeated or comma-separated (at most 64, keys of at most
     /// 256 bytes, values of at most 4,096 bytes). The in-process flagd providers take it as
@@ -630,7 +630,7 @@ impl Serve {
             xds: self
                 .xds_service
                 .clone()
-                .map(|service| crate::xds::Settings {
+                .map(|service| crate::grpc::xds::Settings {
                     service,
                     drain_notice: self.xds_drain_notice,
                 }),

@@ -50,16 +50,12 @@ pub fn request_for(targets: &[Target]) -> pb::SubscribeRequest {
             .iter()
             .map(|t| match t {
                 Target::One(s) => reference(s),
-                Target::Set {
-                    kind,
-                    namespace,
-                    labels,
-                } => pb::ResourceRef {
-                    group: kind.group.clone(),
-                    version: kind.version.clone().unwrap_or_default(),
-                    resource: kind.resource.clone(),
-                    namespace: namespace.clone().unwrap_or_default(),
-                    label_selector: labels.clone(),
+                Target::Set(set) => pb::ResourceRef {
+                    group: set.kind.group.clone(),
+                    version: set.kind.version.clone().unwrap_or_default(),
+                    resource: set.kind.resource.clone(),
+                    namespace: set.namespace.clone().unwrap_or_default(),
+                    label_selector: set.labels.to_string(),
                     ..Default::default()
                 },
             })
@@ -412,6 +408,7 @@ mod tests {
             ),
             ("ff", "v1beta1", "default", "")
         );
-        assert_eq!(r.label_selector, "app=checkout,tier in (web)");
+        // Decoded, parsed, and sent as the broker writes it (a one-value `in` is `=`).
+        assert_eq!(r.label_selector, "app=checkout,tier=web");
     }
 }

@@ -19,16 +19,18 @@ use tokio_util::sync::CancellationToken;
 use tonic::metadata::MetadataMap;
 use tonic::{Request, Response, Status};
 
+use super::admit::admit_one;
+use super::delivery::{Delivery, counted, deadline_of, drain_of, until_error};
 use super::flag_sets::{Held, MemberSpec, Merge};
 use super::frame::Encoded;
 use super::messages::{End, Messages, Next};
-use super::{Delivery, admit_one, drain_of, shutting_down, source_status};
+use super::status::{drained, shutting_down, source_status};
 use crate::access::{Access, Caller};
 use crate::pb::{flagd, legacy};
 use crate::registry::subscribers::record;
 use crate::registry::{Delivered, Members, PartRef, Registry, State, Wire};
-use crate::selector::{KindRef, Selector};
-use crate::source::{Set, Source};
+use crate::selector::{KindRef, Selector, Set, Target};
+use crate::source::Source;
 use crate::telemetry::SyncStream;
 
 /// A sync stream's messages, encoded.
@@ -247,14 +249,6 @@ fn incremental(
     Ok(wanted)
 }
 
-/// What a flagd selector names: one FeatureFlag, or a set of them.
-pub enum Target {
-    /// `core.openfeature.dev/<namespace>/<name>`.
-    One(Selector),
-    /// `core.openfeature.dev/<namespace>?labelSelector=<URL-encoded selector>`.
-    Set(Set),
-}
-
 /// FeatureFlags at the version the API server prefers (discovery says which): not pinned, so
 /// that a CRD that moves on to another version is followed.
 fn featureflags() -> KindRef {
@@ -291,15 +285,15 @@ pub fn target(metadata: &MetadataMap, body: &str) -> Result<Target, Status> {
         return one_flag(text).map(Target::One);
     };
     let invalid = |why: String| invalid_selector(text, why);
-    let parsed: crate::selector::Target = text
+    let parsed: Target = text
         .strip_prefix(PREFIX)
         .map(|rest| format!("featureflags.{PREFIX}{rest}"))
         .ok_or_else(|| invalid("is not a set of FeatureFlags".into()))?
         .parse()
         .map_err(invalid)?;
-    let crate::selector::Target::Set {
+    let Target::Set(Set {
         namespace, labels, ..
-    } = parsed
+    }) = parsed
     else {
         return Err(invalid("is not a set".into()));
     };
@@ -308,9 +302,6 @@ pub fn target(metadata: &MetadataMap, body: &str) -> Result<Target, Status> {
             "must have exactly a namespace after the group".into(),
         ));
     }
-    let labels = labels
-        .parse()
-        .map_err(|e: String| invalid(format!("has a bad label selector: {e}")))?;
     Ok(Target::Set(Set {
         kind: featureflags(),
         namespace,
@@ -392,7 +383,7 @@ impl<S: Source> FlagdCore<S> {
         let ends = Box::pin(async move {
             let _ticket = ticket;
             tokio::select! {
-                _ = request_drain.token().cancelled() => super::drained(request_drain.reason()),
+                _ = request_drain.token().cancelled() => drained(request_drain.reason()),
                 status = revoked => status,
             }
         });
@@ -425,7 +416,7 @@ impl<S: Source> FlagdCore<S> {
             let next = stream.next().await;
             Some((next, stream))
         });
-        Ok((name, super::until_error(frames).boxed()))
+        Ok((name, until_error(frames).boxed()))
     }
 
     /// The configuration of a set once listed: merged, or (`incremental`) every flag set of
@@ -474,11 +465,11 @@ impl<S: Source> FlagdCore<S> {
         body: &str,
         protocol: Protocol,
     ) -> Result<Frames, Status> {
-        let deadline = super::deadline_of(request.metadata())?;
+        let deadline = deadline_of(request.metadata())?;
         let drain = drain_of(request, &self.shutdown);
         let (selector, frames) = self.frames(request, body, protocol, drain.clone()).await?;
         let stream = SyncStream::open(self.registry.metrics().clone(), &selector, deadline);
-        Ok(super::counted(frames, stream, drain, deadline).boxed())
+        Ok(counted(frames, stream, drain, deadline).boxed())
     }
 
     /// The canonical selector and the configurations of one `SyncFlags` stream.

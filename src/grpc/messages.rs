@@ -16,11 +16,11 @@ use futures::{FutureExt, Stream};
 use tokio_util::sync::ReusableBoxFuture;
 use tonic::Status;
 
-use super::{drained, shutting_down};
+use super::status::{drained, shutting_down};
 use crate::access::Ticket;
 use crate::conn::ConnDrain;
 use crate::registry::{State, Subscription};
-use crate::transport::on_wake::OnWake;
+use crate::sync::OnWake;
 
 /// What ends a stream before its client does: its connection's drain (UNAVAILABLE: the client
 /// reconnects) or the revocation of its ticket (PERMISSION_DENIED). It holds the ticket, so the

@@ -13,12 +13,13 @@ use futures::StreamExt;
 use futures::stream::BoxStream;
 use tonic::Status;
 
-use super::NATIVE_WIRE;
+use super::delivery::until_error;
 use super::frame::{self, Frame};
+use super::status::{shutting_down, source_status};
 use crate::pb::subscribe_response::Event;
 use crate::registry::subscribers::record;
-use crate::registry::{Delivered, Members, PartRef, Subscription, Update};
-use crate::source::Set;
+use crate::registry::{Delivered, Members, PartRef, Subscription, Update, slot};
+use crate::selector::Set;
 
 /// One subscriber's stream of `set`, at `index` of its request; `resume` is the set version the
 /// client holds, if it gives one; the version it was last handed recorded in `part`.
@@ -44,7 +45,7 @@ pub(crate) fn stream(
     }
     impl View {
         fn frame(&self, event: Event, name: &str, update: &Update) -> Frame {
-            let shared = update.wire(NATIVE_WIRE, |object| {
+            let shared = update.wire(slot::NATIVE, |object| {
                 frame::encode_object(&self.set.member(name).to_string(), object)
             });
             Frame {
@@ -147,7 +148,7 @@ pub(crate) fn stream(
                     tokio::select! {
                         status = &mut ends => return Some((Err(status), (view, ends, false, rx))),
                         changed = rx.changed() => if !changed {
-                            return Some((Err(super::shutting_down()), (view, ends, false, rx)));
+                            return Some((Err(shutting_down()), (view, ends, false, rx)));
                         }
                     }
                 }
@@ -158,7 +159,7 @@ pub(crate) fn stream(
                     && let Some(error) = &members.failure
                     && !error.is_outage()
                 {
-                    let status = super::source_status(view.index as usize, error);
+                    let status = source_status(view.index as usize, error);
                     return Some((Err(status), (view, ends, false, rx)));
                 }
                 view.catch_up(&members);
@@ -173,7 +174,7 @@ pub(crate) fn stream(
             }
         },
     );
-    super::until_error(frames).boxed()
+    until_error(frames).boxed()
 }
 
 #[cfg(test)]

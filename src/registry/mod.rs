@@ -2,7 +2,7 @@
 //! set of them.
 //!
 //! Each resource a client asks for has an entry in a [`DashMap`] keyed by its canonical
-//! [`Selector`], each set one in a second map keyed by its [`crate::source::Set`] (see
+//! [`Selector`], each set one in a second map keyed by its [`crate::selector::Set`] (see
 //! [`Watched`]); both count against one `--max-watches`. The entry holds the
 //! `tokio::sync::watch` sender of the latest [`State`] (for a set, its [`Members`]); each
 //! subscriber holds a receiver. The receiver count *is* the reference count:
@@ -23,7 +23,7 @@
 //! shared by the rest ([`Update::wire`]).
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, OnceLock, PoisonError};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
@@ -37,6 +37,7 @@ use tracing::Instrument;
 
 use crate::selector::Selector;
 use crate::source::{Object, Source, SourceError};
+use crate::sync::lock;
 use crate::telemetry::{ErrorLabels, Metrics, ResourceLabels, StopLabels, StopReason};
 
 mod pool;
@@ -235,11 +236,7 @@ impl<T: Clone> Subscription<T> {
 impl<T> Drop for Subscription<T> {
     fn drop(&mut self) {
         // The linger clock runs from the last departure, not the first.
-        *self
-            .stats
-            .left
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner) = Instant::now();
+        *lock(&self.stats.left) = Instant::now();
     }
 }
 
@@ -309,19 +306,13 @@ impl Stats {
             selector: watched.to_string(),
             subscribers: tx.receiver_count(),
             since: self.since,
-            last_event: *self
-                .last_event
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner),
+            last_event: *lock(&self.last_event),
             resource_version: summary.resource_version,
             members: summary.members,
             version: summary.version,
             errors: self.errors.load(Ordering::Relaxed),
             updates: self.updates.load(Ordering::Relaxed),
-            stale_since: *self
-                .stale_since
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner),
+            stale_since: *lock(&self.stale_since),
         }
     }
 }
@@ -450,12 +441,7 @@ impl<S: Source> Registry<S> {
         charge: impl FnOnce() -> Option<Charge>,
     ) -> Result<Subscription<W::State>, Refused> {
         if let Some(subscription) = self.warm(watched) {
-            let forbidden = subscription
-                .stats
-                .forbidden
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .clone();
+            let forbidden = lock(&subscription.stats.forbidden).clone();
             return match forbidden {
                 Some(error) => Err(Refused::Forbidden(error)),
                 None => Ok(subscription),
@@ -569,7 +555,7 @@ async fn run_watch<S: Source, W: Watched>(
 ) {
     tracing::debug!("watch started");
     let table = W::table(&inner.tables);
-    let labels = ResourceLabels::of(watched.kind());
+    let labels = ResourceLabels::of(watched.kind().unversioned());
     inner.metrics.watch.starts.get_or_create(&labels).inc();
     inner.metrics.watch.open.get_or_create(&labels).inc();
     let mut reports = watched.open(&inner.source);
@@ -594,7 +580,7 @@ async fn run_watch<S: Source, W: Watched>(
                 idle_until = Some(Instant::now() + inner.linger);
             }
             _ = linger_ends => {
-                let left = *stats.left.lock().unwrap_or_else(PoisonError::into_inner);
+                let left = *lock(&stats.left);
                 if Instant::now() < left + inner.linger {
                     // Someone came and went during the linger: it runs from their departure.
                     idle_until = Some(left + inner.linger);
@@ -646,14 +632,8 @@ fn publish<W: Watched>(
     members: &pool::Pool,
 ) {
     let now = SystemTime::now();
-    *stats
-        .last_event
-        .lock()
-        .unwrap_or_else(PoisonError::into_inner) = Some(now);
-    *stats
-        .forbidden
-        .lock()
-        .unwrap_or_else(PoisonError::into_inner) = W::error(&report)
+    *lock(&stats.last_event) = Some(now);
+    *lock(&stats.forbidden) = W::error(&report)
         .filter(|e| matches!(e, SourceError::Forbidden(_)))
         .cloned();
     let failed = match W::error(&report) {
@@ -670,10 +650,7 @@ fn publish<W: Watched>(
         None => false,
     };
     {
-        let mut stale = stats
-            .stale_since
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
+        let mut stale = lock(&stats.stale_since);
         if failed {
             stale.get_or_insert(now);
         } else {

@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::SystemTime;
 
 use super::Update;
-use crate::source::lock;
+use crate::sync::lock;
 
 /// The open streams of a broker.
 #[derive(Default)]

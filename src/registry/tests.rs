@@ -385,7 +385,8 @@ fn member(uid: &str, rv: u64) -> Object {
 /// namespace) hold one state of it, not a copy each; a newer version in one is its own.
 #[test]
 fn sets_holding_one_object_at_one_version_share_its_state() {
-    use crate::source::{Set, SetEvent};
+    use crate::selector::Set;
+    use crate::source::SetEvent;
     let pool = pool::Pool::default();
     let (a, _a) = watch::channel(Members::default());
     let (b, _b) = watch::channel(Members::default());

@@ -13,8 +13,8 @@ use tokio::sync::watch;
 
 use super::pool::Pool;
 use super::{Entry, State, Update, WIRE_SLOTS, Wire};
-use crate::selector::{KindRef, Selector};
-use crate::source::{Observed, Set, SetEvent, Source, SourceError};
+use crate::selector::{KindRef, Selector, Set};
+use crate::source::{Observed, SetEvent, Source, SourceError};
 
 /// What one entry of the registry watches.
 pub trait Watched:

@@ -8,17 +8,11 @@ use bytes::Bytes;
 use futures::stream::BoxStream;
 use serde_json::Value;
 
-use crate::labels::LabelSelector;
-use crate::selector::{KindRef, Selector};
+use crate::selector::{KindRef, Selector, Set};
 
 pub mod kubernetes;
 pub mod manifests;
 pub mod retry;
-
-/// A mutex's guard, whether or not a holder panicked (the sources' state stays usable).
-pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
-}
 
 /// One object's state, as a source observed it.
 #[derive(Debug, Clone, PartialEq)]
@@ -117,69 +111,6 @@ pub fn not_allowed(kind: &str, allowed: &[KindRef]) -> SourceError {
         "{kind} is not served by this broker (--resource allows: {})",
         list.join(", ")
     ))
-}
-
-pub use crate::selector::ALL_NAMESPACES;
-
-/// A set of objects: those of a kind in a namespace (or in every namespace, or, for a
-/// cluster-scoped kind, all of them) that a label selector selects.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct Set {
-    /// The kind, resolved (plural and version filled in).
-    pub kind: KindRef,
-    /// The namespace: [`ALL_NAMESPACES`] for every one, `None` for a cluster-scoped kind.
-    pub namespace: Option<String>,
-    /// Which of its objects.
-    pub labels: LabelSelector,
-}
-
-impl Set {
-    /// Whether the set spans every namespace. Its members are then keyed `namespace/name`.
-    pub fn all_namespaces(&self) -> bool {
-        self.namespace.as_deref() == Some(ALL_NAMESPACES)
-    }
-
-    /// The namespace to list and watch in: `None` for every namespace (or a cluster-scoped
-    /// kind).
-    pub fn scope(&self) -> Option<&str> {
-        self.namespace.as_deref().filter(|ns| *ns != ALL_NAMESPACES)
-    }
-
-    /// The key of the member `name` in `namespace`: its name, or `namespace/name` in a set
-    /// that spans every namespace.
-    pub fn key(&self, namespace: &str, name: &str) -> String {
-        if self.all_namespaces() {
-            format!("{namespace}/{name}")
-        } else {
-            name.to_string()
-        }
-    }
-
-    /// The canonical selector of the member with `key` (see [`Set::key`]).
-    pub fn member(&self, key: &str) -> Selector {
-        let (namespace, name) = match key.split_once('/') {
-            Some((ns, name)) if self.all_namespaces() => (Some(ns.to_string()), name),
-            _ => (self.namespace.clone(), key),
-        };
-        Selector {
-            kind: self.kind.clone(),
-            namespace,
-            name: name.to_string(),
-        }
-    }
-}
-
-impl std::fmt::Display for Set {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}", self.kind)?;
-        if let Some(ns) = &self.namespace {
-            write!(f, "/{ns}")?;
-        }
-        if !self.labels.is_empty() {
-            write!(f, "?labelSelector={}", self.labels)?;
-        }
-        Ok(())
-    }
 }
 
 /// What a source saw of a set, by member name.

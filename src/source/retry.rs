@@ -8,9 +8,10 @@
 use std::collections::HashMap;
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, PoisonError, Weak};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
+use crate::sync::lock;
 use futures::future::BoxFuture;
 use tokio::sync::watch;
 use tokio::time::Instant;
@@ -169,7 +170,7 @@ pub struct Turn {
 impl Refusals {
     /// A watch of the collection `collection`, of the kind `kind`, was refused: its turn.
     pub fn refused(&self, kind: &str, collection: &str) -> Turn {
-        let mut gates = self.gates.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut gates = lock(&self.gates);
         Turn {
             kind: Place::join(&mut gates, &format!("kind:{kind}")),
             collection: Place::join(&mut gates, collection),
@@ -178,7 +179,7 @@ impl Refusals {
 
     /// Gates with a refused watch now (collections and kinds).
     pub fn len(&self) -> usize {
-        let gates = self.gates.lock().unwrap_or_else(PoisonError::into_inner);
+        let gates = lock(&self.gates);
         gates
             .values()
             .filter(|gate| gate.strong_count() > 0)
@@ -324,7 +325,7 @@ impl Recovery {
 
     fn start_probing(self: &Arc<Self>) {
         {
-            let mut probing = self.probing.lock().unwrap_or_else(PoisonError::into_inner);
+            let mut probing = lock(&self.probing);
             if probing.running || probing.up_at.is_some_and(|t| t.elapsed() < PROBE_EVERY) {
                 return;
             }
@@ -345,10 +346,7 @@ impl Recovery {
                 tokio::time::sleep(PROBE_EVERY).await;
             }
             recovery.down.store(false, Ordering::Release);
-            *recovery
-                .probing
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner) = Probing {
+            *lock(&recovery.probing) = Probing {
                 running: false,
                 up_at: Some(Instant::now()),
             };

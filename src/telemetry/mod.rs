@@ -1,5 +1,5 @@
 //! Metrics, logs and traces: a low layer that every other layer records into and that imports
-//! none of them (its labels name only [`Selector`](crate::selector::Selector)s).
+//! none of them.
 //!
 //! Metrics follow Prometheus naming (prometheus-client); each group of families is defined,
 //! labelled and registered in its own file: [`watch`] (the registry's watches), [`subscriptions`]

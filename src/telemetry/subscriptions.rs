@@ -15,6 +15,7 @@ use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
 use super::{Open, latency_histogram, watch::ResourceLabels};
+use crate::sync::lock;
 
 /// Which API a subscriber speaks.
 #[derive(Debug, Clone, Copy, Hash, PartialEq, Eq)]
@@ -261,10 +262,7 @@ impl SyncStreams {
     /// The label value for `selector`: itself among the first [`SELECTOR_SERIES`], then
     /// [`OTHER_SELECTORS`].
     fn label(&self, selector: &str) -> String {
-        let mut named = self
-            .named
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut named = lock(&self.named);
         if named.contains(selector) || named.len() < SELECTOR_SERIES {
             named.insert(selector.to_string());
             selector.to_string()

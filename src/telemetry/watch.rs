@@ -9,8 +9,6 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
-use crate::selector::KindRef;
-
 /// Labels naming a kind: `featureflags.core.openfeature.dev`.
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ResourceLabels {
@@ -19,11 +17,9 @@ pub struct ResourceLabels {
 }
 
 impl ResourceLabels {
-    /// The labels for a resolved kind.
-    pub fn of(kind: &KindRef) -> Self {
-        ResourceLabels {
-            resource: format!("{}.{}", kind.resource, kind.group),
-        }
+    /// The labels for a kind named `<plural>.<group>` (`KindRef::unversioned`).
+    pub fn of(resource: String) -> Self {
+        ResourceLabels { resource }
     }
 }
 

@@ -35,10 +35,9 @@ use tokio_util::task::TaskTracker;
 use crate::conn::{ConnDrain, Peer, PeerAddr};
 use crate::telemetry::{ConnectionLabels, GrpcLabels, LimitLabels, Metrics, Transport};
 
-pub mod on_wake;
 pub mod tls;
 
-use on_wake::OnWake;
+use crate::sync::OnWake;
 use tls::Tls;
 
 /// How connections behave; the defaults are the command line's.

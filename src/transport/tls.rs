@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::time::{Duration, SystemTime};
 
+use crate::sync::lock;
 use rustls::RootCertStore;
 use rustls::server::{ServerConfig, WebPkiClientVerifier};
 use rustls_pki_types::pem::PemObject;
@@ -117,7 +118,7 @@ impl Tls {
     /// configuration kept. Returns whether a new configuration is in use.
     pub fn reload_if_changed(&self) -> bool {
         let now = self.files.stamps();
-        let mut seen = self.stamps.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut seen = lock(&self.stamps);
         if *seen == now {
             return false;
         }

@@ -15,7 +15,7 @@ use kube::api::{Api, DeleteParams, DynamicObject, Patch, PatchParams, PostParams
 use kube::core::{ApiResource, GroupVersionKind};
 use serde_json::{Value, json};
 
-use super::Fault;
+use super::faults::{FAULTS, Fault, REAL_FAULTS};
 use crate::fixtures::{BROKER_BINDING, CRD, GV, flag};
 
 /// Kube-apiserver's flags for a soak: HTTP/2 connections cut at random (one response in 50
@@ -104,8 +104,8 @@ impl Cluster {
     /// The faults this cluster can have.
     pub fn faults(&self) -> &'static [Fault] {
         match self {
-            Cluster::Fake(_) => &super::FAULTS,
-            Cluster::Real(_) => &super::REAL_FAULTS,
+            Cluster::Fake(_) => &FAULTS,
+            Cluster::Real(_) => &REAL_FAULTS,
         }
     }
 

@@ -24,18 +24,14 @@ fn shown(selector: &str) -> (String, String, String) {
             Some(ns) => (s.kind, format!("{ns}/{}", s.name)),
             None => (s.kind, s.name),
         },
-        Target::Set {
-            kind,
-            namespace,
-            labels,
-        } => {
-            let labels = match labels.as_str() {
-                "" => "(every object)".to_string(),
-                labels => format!("-l {labels}"),
+        Target::Set(set) => {
+            let labels = match set.labels.is_empty() {
+                true => "(every object)".to_string(),
+                false => format!("-l {}", set.labels),
             };
-            match namespace {
-                Some(ns) => (kind, format!("{ns} {labels}")),
-                None => (kind, labels),
+            match set.namespace {
+                Some(ns) => (set.kind, format!("{ns} {labels}")),
+                None => (set.kind, labels),
             }
         }
     };

@@ -20,7 +20,8 @@ use kube::api::{Api, DynamicObject};
 use tokio::sync::watch;
 
 use super::follow::{self, Event, Seen, Upstream};
-use crate::source::{Object, Observed, SourceError, lock};
+use crate::source::{Object, Observed, SourceError};
+use crate::sync::lock;
 
 /// `(group, version, plural, namespace)`.
 type Key = (String, String, String, String);

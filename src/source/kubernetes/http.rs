@@ -29,7 +29,7 @@ use rustls_pki_types::ServerName;
 use tower::ServiceBuilder;
 
 use super::throttle::{Rate, Throttle};
-use crate::source::lock;
+use crate::sync::lock;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 

@@ -3,7 +3,7 @@
 //! a WATCH with `fieldSelector=metadata.name=…`, retried with the broker's own backoff.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures::FutureExt;
@@ -13,9 +13,10 @@ use kube::core::{ApiResource, GroupVersionKind};
 use tokio::time::Instant;
 
 use super::retry::Recovery;
-use super::{KindNames, Object, Observed, Set, SetEvent, Source, SourceError, lock};
+use super::{KindNames, Object, Observed, SetEvent, Source, SourceError};
 use crate::cache::FlightCache;
-use crate::selector::{KindRef, Selector};
+use crate::selector::{KindRef, Selector, Set};
+use crate::sync::lock;
 
 mod follow;
 mod granularity;
@@ -178,7 +179,7 @@ impl Kubernetes {
     /// Refuses, without asking the API server, a namespace `--namespace` does not name.
     fn namespace_served(&self, namespace: Option<&str>) -> Result<(), SourceError> {
         match namespace {
-            Some(crate::source::ALL_NAMESPACES) if !self.namespaces.is_empty() => {
+            Some(crate::selector::ALL_NAMESPACES) if !self.namespaces.is_empty() => {
                 Err(SourceError::NotAllowed(format!(
                     "this broker serves only some namespaces (--namespace {}), not every one",
                     self.namespaces.join(", ")
@@ -256,10 +257,7 @@ impl Kubernetes {
         if self.allowed.is_empty() || self.allowed.iter().any(|a| a.group == kind.group) {
             return Ok(());
         }
-        Err(super::not_allowed(
-            &format!("{}.{}", kind.resource, kind.group),
-            &self.allowed,
-        ))
+        Err(super::not_allowed(&kind.unversioned(), &self.allowed))
     }
 
     async fn discover(&self, kind: &KindRef) -> Result<(KindNames, String), SourceError> {
@@ -304,10 +302,7 @@ impl Kubernetes {
                 ))
             })?;
         let key = (kind.group.clone(), version.clone(), names.plural.clone());
-        let mut resources = self
-            .resources
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
+        let mut resources = lock(&self.resources);
         // Built once per kind (a re-created CRD may have renamed its kind).
         if resources.get(&key).is_none_or(|r| r.kind != names.kind) {
             let resource = ApiResource::from_gvk_with_plural(
@@ -479,10 +474,7 @@ impl Kubernetes {
     fn api(&self, selector: &Selector) -> Api<DynamicObject> {
         let kind = &selector.kind;
         let version = kind.version.clone().unwrap_or_default();
-        let resource = self
-            .resources
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
+        let resource = lock(&self.resources)
             .get(&(kind.group.clone(), version.clone(), kind.resource.clone()))
             .cloned()
             .unwrap_or_else(|| {
@@ -643,10 +635,7 @@ impl Source for Kubernetes {
     }
 
     fn kinds(&self) -> Vec<String> {
-        self.allowed
-            .iter()
-            .map(|k| format!("{}.{}", k.resource, k.group))
-            .collect()
+        self.allowed.iter().map(KindRef::unversioned).collect()
     }
 
     fn api_requests(&self) -> Option<crate::telemetry::ApiRequests> {

@@ -29,7 +29,7 @@ use tokio::sync::Notify;
 use tokio::sync::futures::OwnedNotified;
 use tokio::time::{Instant, Sleep};
 
-use crate::source::lock;
+use crate::sync::lock;
 use crate::telemetry::{ApiHeldLabels, ApiRequests};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;

@@ -8,17 +8,9 @@ use std::time::SystemTime;
 use bytes::Bytes;
 use serde_json::{Value, json};
 
-use super::document::{Digest, Doc, Fields, with_field};
-use crate::selector::Selector;
-use crate::source::{KindNames, Object, Observed, Set};
-
-/// One kind a CRD in the directory defines.
-#[derive(Debug, Clone, PartialEq)]
-pub(super) struct ManifestKind {
-    pub(super) names: KindNames,
-    /// Served versions, highest priority first.
-    pub(super) versions: Vec<String>,
-}
+use super::document::{Digest, Doc, Fields, ManifestKind, with_field};
+use crate::selector::{Selector, Set};
+use crate::source::{Object, Observed};
 
 /// `(group, plural, namespace, name)`; the namespace is empty for cluster-scoped objects.
 pub(super) type Key = (String, String, String, String);
@@ -144,71 +136,6 @@ pub(super) fn serve(key: &Key, doc: &Doc, rv: u64, old: Option<&Stored>) -> Resu
             resource_version: rv.to_string(),
         },
     })
-}
-
-pub(super) fn crd_kind(crd: &Value) -> Option<ManifestKind> {
-    let spec = &crd["spec"];
-    let names = &spec["names"];
-    let text = |v: &Value| v.as_str().map(str::to_string);
-    let kind = text(&names["kind"])?;
-    let namespaced = match spec["scope"].as_str()? {
-        "Namespaced" => true,
-        "Cluster" => false,
-        _ => return None,
-    };
-    let mut versions: Vec<String> = spec["versions"]
-        .as_array()?
-        .iter()
-        .filter(|v| v["served"].as_bool() == Some(true))
-        .filter_map(|v| text(&v["name"]))
-        .collect();
-    if versions.is_empty() {
-        return None;
-    }
-    versions.sort_by_key(|v| version_priority(v));
-    Some(ManifestKind {
-        names: KindNames {
-            group: text(&spec["group"])?,
-            plural: text(&names["plural"])?,
-            singular: text(&names["singular"]).unwrap_or_else(|| kind.to_lowercase()),
-            short_names: names["shortNames"]
-                .as_array()
-                .map(|a| a.iter().filter_map(text).collect())
-                .unwrap_or_default(),
-            kind,
-            namespaced,
-        },
-        versions,
-    })
-}
-
-/// Sorts versions as Kubernetes prefers them: GA, then beta, then alpha, newest first; other
-/// names last, alphabetically.
-pub(super) fn version_priority(
-    v: &str,
-) -> (u8, std::cmp::Reverse<u64>, std::cmp::Reverse<u64>, String) {
-    let parsed = v.strip_prefix('v').and_then(|rest| {
-        let digits = rest.chars().take_while(char::is_ascii_digit).count();
-        let major: u64 = rest[..digits].parse().ok()?;
-        let tail = &rest[digits..];
-        let (rank, minor) = if tail.is_empty() {
-            (0, 0)
-        } else if let Some(n) = tail.strip_prefix("beta") {
-            (1, n.parse().ok()?)
-        } else {
-            (2, tail.strip_prefix("alpha")?.parse().ok()?)
-        };
-        Some((rank, major, minor))
-    });
-    match parsed {
-        Some((rank, major, minor)) => (
-            rank,
-            std::cmp::Reverse(major),
-            std::cmp::Reverse(minor),
-            String::new(),
-        ),
-        None => (3, std::cmp::Reverse(0), std::cmp::Reverse(0), v.to_string()),
-    }
 }
 
 /// Where a custom resource document goes, or why it cannot be served.

@@ -10,7 +10,7 @@ use bytes::Bytes;
 use serde_json::Value;
 use serde_json::value::RawValue;
 
-use super::catalog::{ManifestKind, crd_kind};
+use crate::source::KindNames;
 
 /// A SHA-256 digest.
 pub(super) type Digest = [u8; 32];
@@ -34,6 +34,14 @@ pub(super) struct Doc {
 
 /// A document's top-level fields, each as its JSON text.
 pub(super) type Fields<'a> = BTreeMap<String, &'a RawValue>;
+
+/// One kind a CRD in the directory defines.
+#[derive(Debug, Clone, PartialEq)]
+pub(super) struct ManifestKind {
+    pub(super) names: KindNames,
+    /// Served versions, highest priority first.
+    pub(super) versions: Vec<String>,
+}
 
 impl Doc {
     /// Reads a document's fields out of its compact JSON.
@@ -271,4 +279,70 @@ pub(super) fn too_deep(text: &str, max: usize, json: bool) -> Option<usize> {
         }
     }
     None
+}
+
+/// The kind a CustomResourceDefinition document defines, if it is whole enough to serve.
+pub(super) fn crd_kind(crd: &Value) -> Option<ManifestKind> {
+    let spec = &crd["spec"];
+    let names = &spec["names"];
+    let text = |v: &Value| v.as_str().map(str::to_string);
+    let kind = text(&names["kind"])?;
+    let namespaced = match spec["scope"].as_str()? {
+        "Namespaced" => true,
+        "Cluster" => false,
+        _ => return None,
+    };
+    let mut versions: Vec<String> = spec["versions"]
+        .as_array()?
+        .iter()
+        .filter(|v| v["served"].as_bool() == Some(true))
+        .filter_map(|v| text(&v["name"]))
+        .collect();
+    if versions.is_empty() {
+        return None;
+    }
+    versions.sort_by_key(|v| version_priority(v));
+    Some(ManifestKind {
+        names: KindNames {
+            group: text(&spec["group"])?,
+            plural: text(&names["plural"])?,
+            singular: text(&names["singular"]).unwrap_or_else(|| kind.to_lowercase()),
+            short_names: names["shortNames"]
+                .as_array()
+                .map(|a| a.iter().filter_map(text).collect())
+                .unwrap_or_default(),
+            kind,
+            namespaced,
+        },
+        versions,
+    })
+}
+
+/// Sorts versions as Kubernetes prefers them: GA, then beta, then alpha, newest first; other
+/// names last, alphabetically.
+pub(super) fn version_priority(
+    v: &str,
+) -> (u8, std::cmp::Reverse<u64>, std::cmp::Reverse<u64>, String) {
+    let parsed = v.strip_prefix('v').and_then(|rest| {
+        let digits = rest.chars().take_while(char::is_ascii_digit).count();
+        let major: u64 = rest[..digits].parse().ok()?;
+        let tail = &rest[digits..];
+        let (rank, minor) = if tail.is_empty() {
+            (0, 0)
+        } else if let Some(n) = tail.strip_prefix("beta") {
+            (1, n.parse().ok()?)
+        } else {
+            (2, tail.strip_prefix("alpha")?.parse().ok()?)
+        };
+        Some((rank, major, minor))
+    });
+    match parsed {
+        Some((rank, major, minor)) => (
+            rank,
+            std::cmp::Reverse(major),
+            std::cmp::Reverse(minor),
+            String::new(),
+        ),
+        None => (3, std::cmp::Reverse(0), std::cmp::Reverse(0), v.to_string()),
+    }
 }

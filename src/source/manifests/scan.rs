@@ -8,9 +8,10 @@ use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
 use std::time::SystemTime;
 
-use super::catalog::{Catalog, Key, ManifestKind, Stored, key_of, serve};
+use super::catalog::{Catalog, Key, Stored, key_of, serve};
+use super::document::ManifestKind;
 use super::document::{Doc, open_for_writing, read_docs};
-use crate::source::lock;
+use crate::sync::lock;
 
 /// The deepest directory level below the root that is read.
 pub const MAX_DIR_DEPTH: usize = 16;

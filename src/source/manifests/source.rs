@@ -13,8 +13,9 @@ use tokio::sync::watch;
 
 use super::catalog::Catalog;
 use super::scan::{Loader, LoaderShared};
-use crate::selector::{KindRef, Selector};
-use crate::source::{Observed, Set, SetEvent, Source, SourceError, lock};
+use crate::selector::{KindRef, Selector, Set};
+use crate::source::{Observed, SetEvent, Source, SourceError};
+use crate::sync::lock;
 
 /// Custom resources from a directory of manifests.
 pub struct Manifests {
@@ -108,10 +109,7 @@ impl Source for Manifests {
     }
 
     fn kinds(&self) -> Vec<String> {
-        self.allowed
-            .iter()
-            .map(|k| format!("{}.{}", k.resource, k.group))
-            .collect()
+        self.allowed.iter().map(KindRef::unversioned).collect()
     }
 
     /// The set's members after every change to the directory (the stream's reader tells the

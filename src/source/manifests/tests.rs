@@ -7,7 +7,8 @@ use std::time::Duration;
 use serde_json::Value;
 
 use super::MAX_NESTING;
-use super::catalog::{Catalog, Key, Stored, version_priority};
+use super::catalog::{Catalog, Key, Stored};
+use super::document::version_priority;
 use super::document::{read_docs, too_deep};
 use super::scan::Loader;
 

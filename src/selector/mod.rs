@@ -10,11 +10,18 @@
 //!
 //! A [`Target`] is what a client writes to follow something: a selector, or a set — a kind's
 //! objects in a namespace that a label selector selects,
-//! `<resource>[.<version>].<group>/<namespace>?labelSelector=<URL-encoded selector>`. The label
-//! selector itself is parsed by the `labels` module.
+//! `<resource>[.<version>].<group>/<namespace>?labelSelector=<URL-encoded selector>`, read into a
+//! [`Set`] (the label selector parsed by the `labels` module).
 
 use std::fmt;
 use std::str::FromStr;
+
+pub mod labels;
+mod names;
+
+pub use labels::LabelSelector;
+use names::is_resource_word;
+pub use names::{QUOTE_LIMIT, is_dns_label, is_dns_subdomain, is_version, quote};
 
 /// A kind, as kubectl writes one: `<resource>[.<version>].<group>`.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -64,48 +71,6 @@ pub enum ParseError {
 /// The accepted forms, for error messages.
 pub const FORMS: &str = "<resource>[.<version>].<group>/<namespace>/<name> (e.g. featureflags.core.openfeature.dev/default/demo), or <resource>[.<version>].<group>/<name> for cluster-scoped kinds";
 
-/// Whether `s` looks like a Kubernetes version: `v1`, `v1beta1`, `v2alpha3`.
-pub fn is_version(s: &str) -> bool {
-    let Some(rest) = s.strip_prefix('v') else {
-        return false;
-    };
-    let digits = rest.chars().take_while(char::is_ascii_digit).count();
-    if digits == 0 || rest.starts_with('0') {
-        return false;
-    }
-    let tail = &rest[digits..];
-    if tail.is_empty() {
-        return true;
-    }
-    let n = tail
-        .strip_prefix("alpha")
-        .or_else(|| tail.strip_prefix("beta"));
-    n.is_some_and(|n| !n.is_empty() && !n.starts_with('0') && n.chars().all(|c| c.is_ascii_digit()))
-}
-
-/// RFC 1123 label: lowercase alphanumerics and `-`, alphanumeric at both ends, at most 63.
-pub fn is_dns_label(s: &str) -> bool {
-    !s.is_empty()
-        && s.len() <= 63
-        && s.bytes()
-            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-        && !s.starts_with('-')
-        && !s.ends_with('-')
-}
-
-/// RFC 1123 subdomain: dot-separated labels, at most 253 characters.
-pub fn is_dns_subdomain(s: &str) -> bool {
-    !s.is_empty() && s.len() <= 253 && s.split('.').all(is_dns_label)
-}
-
-fn is_resource_word(s: &str) -> bool {
-    !s.is_empty()
-        && s.len() <= 63
-        && s.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
-        && !s.starts_with('-')
-        && !s.ends_with('-')
-}
-
 /// A [`ParseError::Part`] about `input`.
 fn bad_part(input: &str, part: &'static str, value: &str, why: &'static str) -> ParseError {
     ParseError::Part {
@@ -114,23 +79,6 @@ fn bad_part(input: &str, part: &'static str, value: &str, why: &'static str) -> 
         value: quote(value),
         why,
     }
-}
-
-/// The most of a client's text an error message quotes.
-pub const QUOTE_LIMIT: usize = 64;
-
-/// `text` quoted for an error message: in full up to [`QUOTE_LIMIT`] bytes, else its start
-/// and its length, so that an error about a huge input is not itself huge (clients refuse
-/// oversized status messages, and logs should not carry them).
-pub fn quote(text: &str) -> String {
-    if text.len() <= QUOTE_LIMIT {
-        return format!("{text:?}");
-    }
-    let mut end = QUOTE_LIMIT;
-    while !text.is_char_boundary(end) {
-        end -= 1;
-    }
-    format!("{:?}… ({} bytes)", &text[..end], text.len())
 }
 
 impl KindRef {
@@ -166,6 +114,11 @@ impl KindRef {
             version: version.map(str::to_string),
             group: group.to_string(),
         })
+    }
+
+    /// `<resource>.<group>`, without the version: how metrics and messages name a kind.
+    pub fn unversioned(&self) -> String {
+        format!("{}.{}", self.resource, self.group)
     }
 
     /// Parses `<resource>[.<version>].<group>`; `input` is quoted in errors.
@@ -272,23 +225,78 @@ impl fmt::Display for Selector {
 /// The namespace of a set that spans every namespace, as requests and selectors write it.
 pub const ALL_NAMESPACES: &str = "*";
 
-/// What a client asks to follow, written as text: one resource (a [`Selector`]), or a set
-/// (`featureflags.core.openfeature.dev/<ns>?labelSelector=app%3Dcheckout`, [`ALL_NAMESPACES`]
-/// for every namespace). `crd-broker subscribe` and the flagd set selector both take it.
+/// A set of objects: those of a kind in a namespace (or in every namespace, or, for a
+/// cluster-scoped kind, all of them) that a label selector selects.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Set {
+    /// The kind, resolved (plural and version filled in).
+    pub kind: KindRef,
+    /// The namespace: [`ALL_NAMESPACES`] for every one, `None` for a cluster-scoped kind.
+    pub namespace: Option<String>,
+    /// Which of its objects.
+    pub labels: LabelSelector,
+}
+
+impl Set {
+    /// Whether the set spans every namespace. Its members are then keyed `namespace/name`.
+    pub fn all_namespaces(&self) -> bool {
+        self.namespace.as_deref() == Some(ALL_NAMESPACES)
+    }
+
+    /// The namespace to list and watch in: `None` for every namespace (or a cluster-scoped
+    /// kind).
+    pub fn scope(&self) -> Option<&str> {
+        self.namespace.as_deref().filter(|ns| *ns != ALL_NAMESPACES)
+    }
+
+    /// The key of the member `name` in `namespace`: its name, or `namespace/name` in a set
+    /// that spans every namespace.
+    pub fn key(&self, namespace: &str, name: &str) -> String {
+        if self.all_namespaces() {
+            format!("{namespace}/{name}")
+        } else {
+            name.to_string()
+        }
+    }
+
+    /// The canonical selector of the member with `key` (see [`Set::key`]).
+    pub fn member(&self, key: &str) -> Selector {
+        let (namespace, name) = match key.split_once('/') {
+            Some((ns, name)) if self.all_namespaces() => (Some(ns.to_string()), name),
+            _ => (self.namespace.clone(), key),
+        };
+        Selector {
+            kind: self.kind.clone(),
+            namespace,
+            name: name.to_string(),
+        }
+    }
+}
+
+impl std::fmt::Display for Set {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.kind)?;
+        if let Some(ns) = &self.namespace {
+            write!(f, "/{ns}")?;
+        }
+        if !self.labels.is_empty() {
+            write!(f, "?labelSelector={}", self.labels)?;
+        }
+        Ok(())
+    }
+}
+
+/// What a client asks to follow: one resource (a [`Selector`]), or a set (written
+/// `featureflags.core.openfeature.dev/<ns>?labelSelector=app%3Dcheckout`, [`ALL_NAMESPACES`]
+/// for every namespace). `crd-broker subscribe`, `crd-broker top` and the flagd set selector
+/// all read it.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Target {
     /// One resource.
     One(Selector),
     /// A kind's objects in a namespace (none for a cluster-scoped kind) that a label selector
-    /// selects.
-    Set {
-        /// The kind.
-        kind: KindRef,
-        /// The namespace.
-        namespace: Option<String>,
-        /// The label selector, decoded but not parsed (the broker checks it).
-        labels: String,
-    },
+    /// selects; its kind as written, not yet resolved.
+    Set(Set),
 }
 
 impl FromStr for Target {
@@ -315,11 +323,14 @@ impl FromStr for Target {
         // The namespace is checked as a selector's would be; `*` is every namespace.
         let checked = namespace.filter(|ns| *ns != ALL_NAMESPACES);
         Selector::new(kind.clone(), checked, "set", input).map_err(|e| e.to_string())?;
-        Ok(Target::Set {
+        let labels = labels
+            .parse()
+            .map_err(|e: String| format!("{}: has a bad label selector: {e}", quote(input)))?;
+        Ok(Target::Set(Set {
             kind,
             namespace: namespace.map(str::to_string),
             labels,
-        })
+        }))
     }
 }
 
@@ -486,19 +497,17 @@ mod tests {
             "ff.v1beta1.core.openfeature.dev/default?labelSelector=app%3Dcheckout%2Ctier+in+(web)"
                 .parse()
                 .unwrap();
-        let Target::Set {
-            kind,
-            namespace,
-            labels,
-        } = set
-        else {
+        let Target::Set(set) = set else {
             panic!("a set: {set:?}");
         };
-        assert_eq!(kind.to_string(), "ff.v1beta1.core.openfeature.dev");
-        assert_eq!(namespace.as_deref(), Some("default"));
-        assert_eq!(labels, "app=checkout,tier in (web)");
+        assert_eq!(set.kind.to_string(), "ff.v1beta1.core.openfeature.dev");
+        assert_eq!(set.namespace.as_deref(), Some("default"));
+        // Decoded and parsed; written back as the broker writes it (a one-value `in` is `=`).
+        assert_eq!(set.labels.to_string(), "app=checkout,tier=web");
         let all: Target = "ff.core.openfeature.dev/*?labelSelector=a".parse().unwrap();
-        assert!(matches!(all, Target::Set { namespace: Some(ns), .. } if ns == ALL_NAMESPACES));
+        assert!(
+            matches!(all, Target::Set(Set { namespace: Some(ns), .. }) if ns == ALL_NAMESPACES)
+        );
         for (bad, needle) in [
             ("ff.core.openfeature.dev/default?app=x", "labelSelector="),
             (
@@ -508,6 +517,10 @@ mod tests {
             (
                 "ff.core.openfeature.dev/Bad_NS?labelSelector=a",
                 "namespace",
+            ),
+            (
+                "ff.core.openfeature.dev/default?labelSelector=a%3D%3D%3Db",
+                "bad label selector",
             ),
         ] {
             let e = bad.parse::<Target>().unwrap_err();

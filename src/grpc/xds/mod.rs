@@ -30,12 +30,14 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status, Streaming};
 
+use super::delivery::drain_of;
 use crate::access::{Access, Caller};
 use crate::conn::{Peer, PeerAddr, canonical_ip};
 use crate::registry::subscribers::Registered;
 use crate::registry::{Delivered, Members, Registry, StableHash, Subscription, Wire, slot};
-use crate::selector::{KindRef, is_dns_label};
-use crate::source::{Set, Source};
+use crate::selector::{KindRef, Set, is_dns_label};
+use crate::source::Source;
+use crate::sync::lock;
 use crate::telemetry::{Metrics, Open};
 
 /// The Service whose replicas the xDS server serves: `NAME.NAMESPACE:PORT`, or
@@ -289,10 +291,7 @@ impl Shared {
         let Some(own) = own else {
             return plain;
         };
-        let mut draining = self
-            .draining
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut draining = lock(&self.draining);
         if let Some((_, _, wire)) = draining
             .iter()
             .find(|(state, ip, _)| *state == plain.digest && *ip == own)
@@ -608,9 +607,7 @@ struct Pending {
 
 impl Outbox {
     fn lock(&self) -> std::sync::MutexGuard<'_, Pending> {
-        self.pending
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+        lock(&self.pending)
     }
 
     /// Queues `response`, in place of a pending one of its type.
@@ -677,11 +674,7 @@ impl<S: Source> AggregatedDiscoveryService for Xds<S> {
                 PeerAddr::Tcp { local, .. } => Some(canonical_ip(local.ip())),
                 PeerAddr::Unix { .. } => None,
             });
-        let drain = request
-            .extensions()
-            .get::<crate::conn::ConnDrain>()
-            .map(|d| d.token().clone())
-            .unwrap_or_else(|| self.shutdown.clone());
+        let drain = drain_of(&request, &self.shutdown);
         // A stream of the caller's like any other: one caller cannot hold more than its share.
         let caller = Caller::of(request.extensions())?;
         let ticket = self.access.admit(&caller, &[], Default::default())?;
@@ -740,7 +733,7 @@ impl<S: Source> AggregatedDiscoveryService for Xds<S> {
                             let state = members.current();
                             stream.changes(&state, *draining.borrow_and_update())
                         }
-                        _ = drain.cancelled() => {
+                        _ = drain.token().cancelled() => {
                             break Some(Status::unavailable(
                                 "the broker is draining this connection: resolve again",
                             ));

@@ -153,7 +153,7 @@ fn label_key(key: &str) -> Result<String, String> {
         None => (None, key),
     };
     if let Some(prefix) = prefix
-        && !crate::selector::is_dns_subdomain(prefix)
+        && !super::names::is_dns_subdomain(prefix)
     {
         return Err(format!(
             "label key {key:?}: its prefix is not a DNS subdomain"
