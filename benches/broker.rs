@@ -14,31 +14,11 @@ use crd_broker::grpc::wire;
 use crd_broker::pb::subscribe_response::Event;
 use crd_broker::registry::{Registry, State};
 use crd_broker::selector::Selector;
-use crd_broker::source::{Object, Observed, Source, SourceError};
+use crd_broker::source::scripted::Scripted;
+use crd_broker::source::{Object, Observed};
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
-use futures::StreamExt;
-use futures::stream::BoxStream;
 use prost::Message;
-use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
-
-/// A source whose single watch is fed through a channel.
-struct Fed(std::sync::Mutex<Option<mpsc::UnboundedReceiver<Result<Observed, SourceError>>>>);
-
-impl Source for Fed {
-    async fn resolve(&self, selector: &Selector) -> Result<Selector, SourceError> {
-        Ok(selector.clone())
-    }
-
-    fn watch(&self, _: &Selector) -> BoxStream<'static, Result<Observed, SourceError>> {
-        let rx = self.0.lock().unwrap().take().expect("one watch");
-        tokio_stream::wrappers::UnboundedReceiverStream::new(rx).boxed()
-    }
-
-    async fn check(&self) -> Result<(), String> {
-        Ok(())
-    }
-}
 
 fn object(size: usize, rv: u64) -> Object {
     let json = format!(
@@ -58,19 +38,16 @@ fn selector() -> Selector {
         .unwrap()
 }
 
-/// A registry on a [`Fed`] source; subscribe inside a runtime (the first subscribe spawns the
-/// watch task).
-fn registry() -> (
-    Registry<Fed>,
-    mpsc::UnboundedSender<Result<Observed, SourceError>>,
-) {
-    let (tx, rx) = mpsc::unbounded_channel();
+/// A registry on a [`Scripted`] source, fed by the benchmark; subscribe inside a runtime (the
+/// first subscribe spawns the watch task).
+fn registry() -> (Registry<Scripted>, Scripted) {
+    let source = Scripted::default();
     let registry = Registry::new(
-        Fed(std::sync::Mutex::new(Some(rx))),
+        source.clone(),
         Duration::from_secs(3600),
         CancellationToken::new(),
     );
-    (registry, tx)
+    (registry, source)
 }
 
 /// One worker thread for the watch task; the benchmark thread is the subscriber.
@@ -98,9 +75,13 @@ fn publish(c: &mut Criterion) {
     for n in [1usize, 100, 10_000] {
         let rt = runtime();
         let _in_runtime = rt.enter();
-        let (registry, tx) = registry();
+        let (registry, source) = registry();
         let sel = selector();
         let mut subs: Vec<_> = (0..n).map(|_| registry.subscribe(&sel)).collect();
+        // What is sent before the watch task has started its watch would be lost.
+        while source.live() == 0 {
+            std::thread::yield_now();
+        }
         let rv = AtomicU64::new(1);
         group.throughput(Throughput::Elements(n as u64));
         group.bench_with_input(BenchmarkId::from_parameter(n), &n, |b, _| {
@@ -109,7 +90,7 @@ fn publish(c: &mut Criterion) {
                     let start = Instant::now();
                     for _ in 0..iters {
                         let next = rv.fetch_add(1, Ordering::Relaxed);
-                        tx.send(Ok(Observed::Present(object(64, next)))).unwrap();
+                        source.send(&sel, Ok(Observed::Present(object(64, next))));
                         // Every subscriber sees the new state (the watch task published it once).
                         let last = subs.last_mut().unwrap();
                         while !matches!(last.current(), State::Present(ref u) if u.object.resource_version == next.to_string()) {

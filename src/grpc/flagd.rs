@@ -20,11 +20,11 @@ use tonic::metadata::MetadataMap;
 use tonic::{Request, Response, Status};
 
 use super::admit::admit_one;
-use super::delivery::{Delivery, counted, deadline_of, drain_of, until_error};
+use super::delivery::{Delivery, counted, deadline_of, drain_of};
 use super::flag_sets::{Held, MemberSpec, Merge};
 use super::frame::Encoded;
-use super::messages::{End, Messages, Next};
-use super::status::{drained, shutting_down, source_status};
+use super::messages::{End, Messages, Next, View};
+use super::status::{shutting_down, source_status};
 use crate::access::{Access, Caller};
 use crate::pb::{flagd, legacy};
 use crate::registry::subscribers::record;
@@ -379,30 +379,20 @@ impl<S: Source> FlagdCore<S> {
         incremental: bool,
     ) -> Result<(String, Frames), Status> {
         let (set, members, ticket) = admit_one(&self.registry, &self.access, &caller, &set).await?;
-        let revoked = ticket.revoked();
-        let ends = Box::pin(async move {
-            let _ticket = ticket;
-            tokio::select! {
-                _ = request_drain.token().cancelled() => drained(request_drain.reason()),
-                status = revoked => status,
-            }
-        });
+        let end = End::new(request_drain, Some(ticket));
         let name = set.to_string();
         let registered = self.registry.subscribers().register(
             caller.to_string(),
             protocol.label(),
             vec![name.clone()],
         );
-        let stream = SetStream {
-            members,
-            ends,
+        let view = SetView {
             updates: if incremental {
                 Updates::Incremental(Held::default())
             } else {
                 Updates::Whole(None)
             },
             queue: std::collections::VecDeque::new(),
-            first: true,
             metrics: self.registry.metrics().clone(),
             name: name.clone(),
             context: self.context.clone(),
@@ -412,11 +402,8 @@ impl<S: Source> FlagdCore<S> {
             pending: None,
             part: Some((registered, 0)),
         };
-        let frames = futures::stream::unfold(stream, |mut stream| async move {
-            let next = stream.next().await;
-            Some((next, stream))
-        });
-        Ok((name, until_error(frames).boxed()))
+        let frames = Messages::new(members, end, tracing::Span::none(), view);
+        Ok((name, frames.boxed()))
     }
 
     /// The configuration of a set once listed: merged, or (`incremental`) every flag set of
@@ -599,15 +586,11 @@ enum Updates {
     Incremental(Held),
 }
 
-/// One client's stream of a set's configurations: the first at once, then each change.
-struct SetStream {
-    members: crate::registry::Subscription<Members>,
-    /// Resolves with the status the stream ends with: drained, or its rights revoked.
-    ends: std::pin::Pin<Box<dyn std::future::Future<Output = Status> + Send>>,
+/// One client's view of a set's configurations: the first at once, then each change.
+struct SetView {
     updates: Updates,
     /// Configurations made and not yet sent (an incremental update may be several).
     queue: std::collections::VecDeque<Bytes>,
-    first: bool,
     metrics: Arc<crate::telemetry::Metrics>,
     name: String,
     context: Context,
@@ -620,68 +603,67 @@ struct SetStream {
     part: PartRef,
 }
 
-impl SetStream {
-    async fn next(&mut self) -> Result<Encoded, Status> {
-        loop {
-            if let Some(bytes) = self.queue.pop_front() {
-                if self.queue.is_empty()
-                    && let Some(version) = self.pending.take()
-                {
-                    record(&self.part, Delivered::Set(version));
-                }
-                return Ok(Encoded(bytes));
-            }
-            if !std::mem::take(&mut self.first) {
-                tokio::select! {
-                    status = &mut self.ends => return Err(status),
-                    changed = self.members.changed() => if !changed {
-                        return Err(shutting_down());
-                    },
-                }
-            }
-            let current = self.members.current();
-            let (metrics, name, limit) = (&self.metrics, &self.name, self.limit);
-            match &mut self.updates {
-                Updates::Whole(last) => {
-                    let wire = match merged(
-                        metrics,
-                        name,
-                        &current,
-                        Some((self.protocol, &self.context)),
-                    ) {
-                        None => continue,
-                        Some(wire) => wire?,
-                    };
-                    if *last != Some(wire.digest) {
-                        if wire.bytes.len() > limit {
-                            return Err(too_large(name, wire.bytes.len(), limit));
-                        }
-                        *last = Some(wire.digest);
-                        self.queue.push_back(wire.bytes);
+impl View<Members> for SetView {
+    type Message = Encoded;
+    type Input = std::convert::Infallible;
+
+    fn next(&mut self, current: &Members) -> Next<Encoded> {
+        if let Err(status) = self.queue_for(current) {
+            return Next::Fail(status);
+        }
+        // What the client holds once the queue is handed over (at once if nothing differs).
+        self.pending = Some(current.version(&self.set));
+        match self.more() {
+            Some(config) => Next::Send(config),
+            None => Next::Wait,
+        }
+    }
+
+    fn more(&mut self) -> Option<Encoded> {
+        let config = self.queue.pop_front();
+        if self.queue.is_empty()
+            && let Some(version) = self.pending.take()
+        {
+            record(&self.part, Delivered::Set(version));
+        }
+        config.map(Encoded)
+    }
+}
+
+impl SetView {
+    /// Queues the configurations `current` owes the client.
+    fn queue_for(&mut self, current: &Members) -> Result<(), Status> {
+        let (metrics, name, limit) = (&self.metrics, &self.name, self.limit);
+        match &mut self.updates {
+            Updates::Whole(last) => {
+                let Some(wire) =
+                    merged(metrics, name, current, Some((self.protocol, &self.context)))
+                else {
+                    return Ok(());
+                };
+                let wire = wire?;
+                if *last != Some(wire.digest) {
+                    if wire.bytes.len() > limit {
+                        return Err(too_large(name, wire.bytes.len(), limit));
                     }
-                }
-                Updates::Incremental(held) => {
-                    let merge = match merge(metrics, name, &current) {
-                        None => continue,
-                        Some(merge) => merge?,
-                    };
-                    for config in held.next(merge.flag_sets()) {
-                        if config.len() > limit {
-                            return Err(too_large(name, config.len(), limit));
-                        }
-                        self.queue
-                            .push_back(self.protocol.encode(config, &self.context));
-                    }
+                    *last = Some(wire.digest);
+                    self.queue.push_back(wire.bytes);
                 }
             }
-            // What the client holds once the queue is handed over (at once if nothing differs).
-            self.pending = Some(current.version(&self.set));
-            if self.queue.is_empty()
-                && let Some(version) = self.pending.take()
-            {
-                record(&self.part, Delivered::Set(version));
+            Updates::Incremental(held) => {
+                let Some(merge) = merge(metrics, name, current) else {
+                    return Ok(());
+                };
+                for config in held.next(merge?.flag_sets()) {
+                    if config.len() > limit {
+                        return Err(too_large(name, config.len(), limit));
+                    }
+                    self.queue
+                        .push_back(self.protocol.encode(config, &self.context));
+                }
             }
         }
+        Ok(())
     }
 }
 

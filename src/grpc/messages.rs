@@ -1,5 +1,9 @@
-//! One subscriber's response stream over one resource, written by hand because every subscriber
-//! polls it for every update: it is the innermost loop of the fan-out.
+//! A subscriber's response stream: the one shape every protocol's streams have, over a resource
+//! or a set alike. It selects on the subscription's watch, on what ends the stream early and,
+//! for a protocol whose client speaks during the stream (xDS), on what the client sends — with
+//! no task and no channel per subscriber. Each protocol supplies only its [`View`], which turns
+//! each state (and each input) into the messages its client is owed. It is written by hand because every
+//! subscriber polls it for every update: it is the innermost loop of the fan-out.
 //!
 //! The first version was combinators — `unfold` for the states, `select` with a `once` for the
 //! drain, another `unfold` to stop after an error, and a span entered on every poll. Profiling
@@ -7,18 +11,20 @@
 //! than tonic's own encoder. Here a poll is one `watch` receiver check, an atomic swap for the
 //! drain ([`OnWake`]), and the caller's `next`.
 
+use std::convert::Infallible;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll, ready};
 
 use futures::future::BoxFuture;
-use futures::{FutureExt, Stream};
+use futures::stream::Pending;
+use futures::{FutureExt, Stream, StreamExt};
 use tokio_util::sync::ReusableBoxFuture;
 use tonic::Status;
 
 use super::status::{drained, shutting_down};
 use crate::access::Ticket;
-use crate::conn::ConnDrain;
+use crate::conn::{ConnDrain, DrainReason};
 use crate::registry::{State, Subscription};
 use crate::sync::OnWake;
 
@@ -33,22 +39,68 @@ pub(crate) struct End {
 impl End {
     /// Ended by `drain`, or by `ticket`'s revocation.
     pub(crate) fn new(drain: ConnDrain, ticket: Option<Arc<Ticket>>) -> End {
+        End::saying(drain, ticket, drained)
+    }
+
+    /// [`End::new`], the drain's status told by `status`.
+    pub(crate) fn saying(
+        drain: ConnDrain,
+        ticket: Option<Arc<Ticket>>,
+        status: fn(DrainReason) -> Status,
+    ) -> End {
         let revoked = ticket.as_ref().map(|t| t.revoked());
         let token = drain.token().clone();
         let future = async move {
             match revoked {
                 Some(revoked) => tokio::select! {
-                    _ = token.cancelled_owned() => drained(drain.reason()),
+                    _ = token.cancelled_owned() => status(drain.reason()),
                     status = revoked => status,
                 },
                 None => {
                     token.cancelled_owned().await;
-                    drained(drain.reason())
+                    status(drain.reason())
                 }
             }
         }
         .boxed();
         End { future, ticket }
+    }
+}
+
+/// A protocol's view of one subscriber: what it is owed for each state its subscription shows.
+pub(crate) trait View<S>: Send + Unpin + 'static {
+    /// What the stream sends.
+    type Message;
+    /// What else the stream listens to, beside the subscription: what its client sends
+    /// ([`Messages::with_input`]); `Infallible` for the protocols whose client only reads.
+    type Input;
+
+    /// What `state` owes the client.
+    fn next(&mut self, state: &S) -> Next<Self::Message>;
+
+    /// What `input` owes the client.
+    fn input(&mut self, input: Self::Input) -> Next<Self::Message> {
+        let _ = input;
+        Next::Wait
+    }
+
+    /// A further message the last state owes (a change to a set may be several), handed over
+    /// before the next state is awaited.
+    fn more(&mut self) -> Option<Self::Message> {
+        None
+    }
+}
+
+/// One resource's view, written as a function of its state.
+impl<T, F> View<State> for F
+where
+    F: FnMut(&State) -> Next<T> + Send + Unpin + 'static,
+{
+    type Message = T;
+    type Input = Infallible;
+
+    fn next(&mut self, state: &State) -> Next<T> {
+        self(state)
     }
 }
 
@@ -60,79 +112,137 @@ pub(crate) enum Next<T> {
     Send(T),
     /// End the stream with this error.
     Fail(Status),
+    /// End the stream: its client is done.
+    End,
 }
 
-/// The messages `next` makes of each state one subscription sees: the current state at once,
-/// then each change (a slow reader skips to the newest). Ends after its first error; with
+/// The messages a [`View`] makes of each state one subscription sees: the current state at
+/// once, then each change (a slow reader skips to the newest). Ends after its first error; with
 /// UNAVAILABLE — never OK, which some clients never notice — when its connection drains (its max
 /// age, or the broker's shutdown) or the registry stops; with PERMISSION_DENIED when its access
 /// is revoked.
-pub(crate) struct Messages<F> {
+pub(crate) struct Messages<S, V, I = Pending<Infallible>> {
     /// Resolves with the subscription once it has a state not yet seen; `false` when the
     /// registry has stopped.
-    state: ReusableBoxFuture<'static, (bool, Subscription)>,
+    state: ReusableBoxFuture<'static, (bool, Subscription<S>)>,
     end: OnWake<BoxFuture<'static, Status>>,
     _ticket: Option<Arc<Ticket>>,
-    next: F,
+    view: V,
+    input: I,
     done: bool,
     /// The subscription's span: it lives as long as the stream. Not entered on every poll (that
     /// cost a measurable share of the fan-out); `next` enters it where it logs.
     _span: tracing::Span,
 }
 
-async fn newer(mut subscription: Subscription, wait: bool) -> (bool, Subscription) {
+async fn newer<S: Clone>(mut subscription: Subscription<S>, wait: bool) -> (bool, Subscription<S>) {
     let alive = !wait || subscription.changed().await;
     (alive, subscription)
 }
 
-impl<T, F> Messages<F>
+impl<S, V> Messages<S, V>
 where
-    F: FnMut(&State) -> Next<T> + Send + Unpin + 'static,
+    S: Clone + Send + Sync + 'static,
+    V: View<S, Input = Infallible>,
 {
-    /// The stream of `subscription`, ended early by `end`, in `span`.
-    pub(crate) fn new(subscription: Subscription, end: End, span: tracing::Span, next: F) -> Self {
+    /// The stream of `subscription` as `view` sees it, ended early by `end`, in `span`.
+    pub(crate) fn new(
+        subscription: Subscription<S>,
+        end: End,
+        span: tracing::Span,
+        view: V,
+    ) -> Self {
+        Messages::with_input(subscription, end, span, view, futures::stream::pending())
+    }
+}
+
+impl<S, V, I> Messages<S, V, I>
+where
+    S: Clone + Send + Sync + 'static,
+    V: View<S>,
+    I: Stream<Item = V::Input> + Send + Unpin + 'static,
+{
+    /// [`Messages::new`], listening to `input` too: the stream ends when `input` does.
+    pub(crate) fn with_input(
+        subscription: Subscription<S>,
+        end: End,
+        span: tracing::Span,
+        view: V,
+        input: I,
+    ) -> Self {
         Messages {
             state: ReusableBoxFuture::new(newer(subscription, false)),
             end: OnWake::new(end.future),
             _ticket: end.ticket,
-            next,
+            view,
+            input,
             done: false,
             _span: span,
         }
     }
+
+    /// The stream's item for what the view said; `None` to wait on.
+    fn item(&mut self, next: Next<V::Message>) -> Option<Option<Result<V::Message, Status>>> {
+        match next {
+            Next::Wait => None,
+            Next::Send(message) => Some(Some(Ok(message))),
+            Next::Fail(status) => {
+                self.done = true;
+                Some(Some(Err(status)))
+            }
+            Next::End => {
+                self.done = true;
+                Some(None)
+            }
+        }
+    }
 }
 
-impl<T, F> Stream for Messages<F>
+impl<S, V, I> Stream for Messages<S, V, I>
 where
-    F: FnMut(&State) -> Next<T> + Send + Unpin + 'static,
+    S: Clone + Send + Sync + 'static,
+    V: View<S>,
+    I: Stream<Item = V::Input> + Send + Unpin + 'static,
 {
-    type Item = Result<T, Status>;
+    type Item = Result<V::Message, Status>;
 
     fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
         let this = self.get_mut();
         if this.done {
             return Poll::Ready(None);
         }
+        // What the last state still owes goes first: its messages are one change.
+        if let Some(message) = this.view.more() {
+            return Poll::Ready(Some(Ok(message)));
+        }
         if let Poll::Ready(status) = this.end.poll_unpin(cx) {
             this.done = true;
             return Poll::Ready(Some(Err(status)));
         }
         loop {
-            let (alive, mut subscription) = ready!(this.state.poll(cx));
-            if !alive {
-                this.done = true;
-                this.state.set(newer(subscription, true));
-                return Poll::Ready(Some(Err(shutting_down())));
-            }
-            let next = (this.next)(&subscription.current());
-            this.state.set(newer(subscription, true));
-            match next {
-                Next::Wait => continue,
-                Next::Send(message) => return Poll::Ready(Some(Ok(message))),
-                Next::Fail(status) => {
+            if let Poll::Ready((alive, mut subscription)) = this.state.poll(cx) {
+                if !alive {
                     this.done = true;
-                    return Poll::Ready(Some(Err(status)));
+                    this.state.set(newer(subscription, true));
+                    return Poll::Ready(Some(Err(shutting_down())));
                 }
+                let next = this.view.next(&subscription.current());
+                this.state.set(newer(subscription, true));
+                match this.item(next) {
+                    Some(item) => return Poll::Ready(item),
+                    None => continue,
+                }
+            }
+            let next = match ready!(this.input.poll_next_unpin(cx)) {
+                Some(input) => this.view.input(input),
+                None => Next::End,
+            };
+            if let Some(item) = this.item(next) {
+                return Poll::Ready(item);
+            }
+            // What the last state still owes, if the input added to it.
+            if let Some(message) = this.view.more() {
+                return Poll::Ready(Some(Ok(message)));
             }
         }
     }
@@ -143,41 +253,29 @@ mod tests {
     use std::time::Duration;
 
     use futures::StreamExt;
-    use futures::stream::BoxStream;
 
     use tokio_util::sync::CancellationToken;
 
     use super::*;
     use crate::registry::Registry;
     use crate::selector::Selector;
-    use crate::source::{Observed, Source, SourceError};
+    use crate::source::scripted::Scripted;
 
-    /// A source that never answers: every state stays pending.
-    struct Silent;
-
-    impl Source for Silent {
-        async fn resolve(&self, selector: &Selector) -> Result<Selector, SourceError> {
-            Ok(selector.clone())
-        }
-
-        async fn check(&self) -> Result<(), String> {
-            Ok(())
-        }
-
-        fn watch(&self, _: &Selector) -> BoxStream<'static, Result<Observed, SourceError>> {
-            futures::stream::pending().boxed()
-        }
-    }
-
-    fn registry() -> Registry<Silent> {
-        Registry::new(Silent, Duration::from_secs(1), CancellationToken::new())
+    /// A registry whose source never answers (nothing is sent into it): every state stays
+    /// pending.
+    fn registry() -> Registry<Scripted> {
+        Registry::new(
+            Scripted::default(),
+            Duration::from_secs(1),
+            CancellationToken::new(),
+        )
     }
 
     /// A stream with nothing to send, ended by `drain`.
     fn waiting(
-        registry: &Registry<Silent>,
+        registry: &Registry<Scripted>,
         drain: &ConnDrain,
-    ) -> Messages<impl FnMut(&State) -> Next<()> + Send + Unpin + 'static> {
+    ) -> Messages<State, impl FnMut(&State) -> Next<()> + Send + Unpin + 'static> {
         let selector: Selector = "widgets.example.com/default/a".parse().unwrap();
         Messages::new(
             registry.subscribe(&selector),

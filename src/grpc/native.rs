@@ -14,7 +14,7 @@ use super::delivery::{Delivery, drain_of, until_error};
 use super::frame::{self, Frame};
 use super::messages::{End, Messages, Next};
 use super::sets;
-use super::status::{drained, parse_status, source_status};
+use super::status::{parse_status, source_status};
 use crate::access::{Access, Caller};
 use crate::conn::ConnDrain;
 use crate::pb;
@@ -107,14 +107,6 @@ impl<S: Source> BrokerService<S> {
             labels,
         };
         let (set, members, ticket) = admit_one(&self.registry, &self.access, caller, &set).await?;
-        let revoked = ticket.revoked();
-        let ends = async move {
-            let _ticket = ticket;
-            tokio::select! {
-                _ = drain.token().cancelled() => drained(drain.reason()),
-                status = revoked => status,
-            }
-        };
         tracing::debug!(%set, %caller, "set subscribed");
         let registered = self.registry.subscribers().register(
             caller.to_string(),
@@ -122,8 +114,9 @@ impl<S: Source> BrokerService<S> {
             vec![set.to_string()],
         );
         let part = Some((registered, 0));
+        let end = End::new(drain, Some(ticket));
         Ok(Response::new(sets::stream(
-            set, members, 0, ends, resume, part,
+            set, members, 0, end, resume, part,
         )))
     }
 }

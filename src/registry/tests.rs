@@ -1,94 +1,15 @@
-//! The registry as a state machine, against a scripted source: start, share, linger and
+//! The registry as a state machine, against a scripted source ([`Scripted`]): start, share, linger and
 //! teardown (with paused time), conflation for slow readers, races, shutdown and errors.
 
-use std::collections::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use futures::StreamExt;
-use futures::stream::BoxStream;
-use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use super::*;
-use crate::source::{Object, Observed, Source, SourceError};
-
-type Feed = mpsc::UnboundedSender<Result<Observed, SourceError>>;
-
-/// A source whose watches are fed by the test, counting the watches it started and those live.
-#[derive(Default)]
-struct Script {
-    feeds: Mutex<HashMap<Selector, Vec<Feed>>>,
-    started: AtomicUsize,
-    live: Arc<AtomicUsize>,
-    forgotten: AtomicUsize,
-}
-
-#[derive(Clone, Default)]
-struct Scripted(Arc<Script>);
-
-struct Live(Arc<AtomicUsize>);
-
-impl Drop for Live {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::SeqCst);
-    }
-}
-
-impl Source for Scripted {
-    async fn resolve(&self, selector: &Selector) -> Result<Selector, SourceError> {
-        Ok(selector.clone())
-    }
-
-    async fn check(&self) -> Result<(), String> {
-        Ok(())
-    }
-
-    fn forget(&self, _: &crate::selector::KindRef) {
-        self.0.forgotten.fetch_add(1, Ordering::SeqCst);
-    }
-
-    fn watch(&self, selector: &Selector) -> BoxStream<'static, Result<Observed, SourceError>> {
-        self.0.started.fetch_add(1, Ordering::SeqCst);
-        self.0.live.fetch_add(1, Ordering::SeqCst);
-        let live = Live(self.0.live.clone());
-        let (tx, rx) = mpsc::unbounded_channel();
-        self.0
-            .feeds
-            .lock()
-            .unwrap()
-            .entry(selector.clone())
-            .or_default()
-            .push(tx);
-        futures::stream::unfold((rx, live), |(mut rx, live)| async move {
-            let item = rx.recv().await?;
-            Some((item, (rx, live)))
-        })
-        .boxed()
-    }
-}
-
-impl Scripted {
-    fn send(&self, selector: &Selector, item: Result<Observed, SourceError>) {
-        let mut feeds = self.0.feeds.lock().unwrap();
-        let list = feeds.entry(selector.clone()).or_default();
-        list.retain(|tx| tx.send(item.clone()).is_ok());
-    }
-
-    fn started(&self) -> usize {
-        self.0.started.load(Ordering::SeqCst)
-    }
-
-    fn forgotten(&self) -> usize {
-        self.0.forgotten.load(Ordering::SeqCst)
-    }
-
-    fn live(&self) -> usize {
-        self.0.live.load(Ordering::SeqCst)
-    }
-}
+use crate::source::scripted::Scripted;
+use crate::source::{Object, Observed, SourceError};
 
 fn sel(name: &str) -> Selector {
     format!("featureflags.v1beta1.core.openfeature.dev/default/{name}")

@@ -13,6 +13,7 @@ use crate::selector::{KindRef, Selector, Set};
 pub mod kubernetes;
 pub mod manifests;
 pub mod retry;
+pub mod scripted;
 
 /// One object's state, as a source observed it.
 #[derive(Debug, Clone, PartialEq)]

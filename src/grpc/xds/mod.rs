@@ -31,6 +31,7 @@ use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status, Streaming};
 
 use super::delivery::drain_of;
+use super::messages::{End, Messages, Next, View};
 use crate::access::{Access, Caller};
 use crate::conn::{Peer, PeerAddr, canonical_ip};
 use crate::registry::subscribers::Registered;
@@ -591,68 +592,60 @@ impl Stream {
     }
 }
 
-/// A stream's responses not yet taken by the client: one per type, the latest (a client that
-/// reads slowly skips intermediate versions and holds nothing more), and how the stream ends.
-#[derive(Default)]
-struct Outbox {
-    pending: std::sync::Mutex<Pending>,
-    ready: tokio::sync::Notify,
+/// What an xDS stream listens to beside the EndpointSlices.
+enum Input {
+    /// A request from the client (or the error its bytes made).
+    Request(Box<Result<DiscoveryRequest, Status>>),
+    /// The client is done sending: the stream ends.
+    Closed,
+    /// This replica's drain notice, now.
+    Draining(bool),
 }
 
-#[derive(Default)]
-struct Pending {
-    responses: std::collections::VecDeque<DiscoveryResponse>,
-    end: Option<Option<Status>>,
+/// One client's view: its [`Stream`], with the slices and the drain notice it last saw. What a
+/// client that reads slowly is owed is made when it reads, from the newest slices: it skips
+/// intermediate versions and holds nothing more.
+struct XdsView {
+    stream: Stream,
+    members: Members,
+    draining: bool,
+    /// Counts the stream in `crd_broker_xds_streams` while it lives.
+    _open: Open,
 }
 
-impl Outbox {
-    fn lock(&self) -> std::sync::MutexGuard<'_, Pending> {
-        lock(&self.pending)
+impl View<Members> for XdsView {
+    type Message = DiscoveryResponse;
+    type Input = Input;
+
+    fn next(&mut self, members: &Members) -> Next<DiscoveryResponse> {
+        self.members = members.clone();
+        self.stream
+            .changes(&self.members, self.draining)
+            .map_or(Next::Wait, Next::Send)
     }
 
-    /// Queues `response`, in place of a pending one of its type.
-    fn put(&self, response: DiscoveryResponse) {
-        let mut pending = self.lock();
-        match pending
-            .responses
-            .iter_mut()
-            .find(|r| r.type_url == response.type_url)
-        {
-            Some(older) => *older = response,
-            None => pending.responses.push_back(response),
-        }
-        drop(pending);
-        self.ready.notify_one();
-    }
-
-    /// Ends the stream after what is pending, with `status` if given.
-    fn end(&self, status: Option<Status>) {
-        self.lock().end.get_or_insert(status);
-        self.ready.notify_one();
-    }
-
-    /// The next response, or the end.
-    async fn next(&self) -> Option<Result<DiscoveryResponse, Status>> {
-        loop {
-            let notified = self.ready.notified();
-            {
-                let mut pending = self.lock();
-                if let Some(response) = pending.responses.pop_front() {
-                    return Some(Ok(response));
+    fn input(&mut self, input: Input) -> Next<DiscoveryResponse> {
+        match input {
+            Input::Request(request) => match *request {
+                Ok(request) => match self.stream.request(request, &self.members, self.draining) {
+                    Ok(response) => response.map_or(Next::Wait, Next::Send),
+                    Err(refusal) => Next::Fail(refusal),
+                },
+                Err(status) => {
+                    // Undecodable bytes, or the client gone (then nobody reads this).
+                    let why: String = status.message().chars().take(200).collect();
+                    Next::Fail(Status::invalid_argument(format!(
+                        "an xDS request that is not a DiscoveryRequest: {why}"
+                    )))
                 }
-                match pending.end.take() {
-                    Some(Some(status)) => {
-                        pending.end = Some(None);
-                        return Some(Err(status));
-                    }
-                    Some(None) => {
-                        pending.end = Some(None);
-                        return None;
-                    }
-                    None => {}
-                }
+            },
+            Input::Closed => Next::End,
+            Input::Draining(draining) => {
+                self.draining = draining;
+                self.stream
+                    .changes(&self.members, draining)
+                    .map_or(Next::Wait, Next::Send)
             }
-            notified.await;
         }
     }
 }
@@ -678,80 +671,46 @@ impl<S: Source> AggregatedDiscoveryService for Xds<S> {
         // A stream of the caller's like any other: one caller cannot hold more than its share.
         let caller = Caller::of(request.extensions())?;
         let ticket = self.access.admit(&caller, &[], Default::default())?;
-        let mut requests = request.into_inner();
-        let mut members = self.subscribe()?;
-        let mut draining = self.drain.watch();
+        let requests = request.into_inner();
+        let members = self.subscribe()?;
         let parts = PART_NAMES.iter().map(|t| t.to_string()).collect();
         let registered = self
             .registry
             .subscribers()
             .register(caller.to_string(), "xds", parts);
-        let mut stream = Stream {
-            shared: self.shared.clone(),
-            metrics: self.registry.metrics().clone(),
-            own,
-            types: HashMap::new(),
-            nonces: 0,
-            registered: Some(registered),
+        let metrics = self.registry.metrics().clone();
+        let mut notice = self.drain.watch();
+        let view = XdsView {
+            _open: Open::new(&metrics.xds.streams),
+            stream: Stream {
+                shared: self.shared.clone(),
+                metrics,
+                own,
+                types: HashMap::new(),
+                nonces: 0,
+                registered: Some(registered),
+            },
+            members: Members::default(),
+            draining: *notice.borrow_and_update(),
         };
-        let outbox = Arc::new(Outbox::default());
-        // The client gone (the response stream dropped), the stream's task ends.
-        let gone = CancellationToken::new();
-        let open = Open::new(&stream.metrics.xds.streams);
-        tokio::spawn({
-            let (outbox, gone) = (outbox.clone(), gone.clone());
-            async move {
-                let (_ticket, _open) = (ticket, open);
-                let end = loop {
-                    let out = tokio::select! {
-                        next = requests.next() => match next {
-                            Some(Ok(request)) => {
-                                let state = members.current();
-                                let drains = *draining.borrow();
-                                match stream.request(request, &state, drains) {
-                                    Ok(response) => response,
-                                    Err(refusal) => break Some(refusal),
-                                }
-                            }
-                            Some(Err(status)) => {
-                                // Undecodable bytes, or the client gone (then nobody reads this).
-                                let why: String = status.message().chars().take(200).collect();
-                                break Some(Status::invalid_argument(format!(
-                                    "an xDS request that is not a DiscoveryRequest: {why}"
-                                )));
-                            }
-                            None => break None,
-                        },
-                        alive = members.changed() => {
-                            if !alive {
-                                break None;
-                            }
-                            let state = members.current();
-                            stream.changes(&state, *draining.borrow())
-                        }
-                        Ok(()) = draining.changed() => {
-                            let state = members.current();
-                            stream.changes(&state, *draining.borrow_and_update())
-                        }
-                        _ = drain.token().cancelled() => {
-                            break Some(Status::unavailable(
-                                "the broker is draining this connection: resolve again",
-                            ));
-                        }
-                        _ = gone.cancelled() => break None,
-                    };
-                    if let Some(response) = out {
-                        outbox.put(response);
-                    }
-                };
-                outbox.end(end);
-            }
+        // What the client sends, and this replica's own drain notice; the client's end of the
+        // stream ends it.
+        let draining = futures::stream::unfold(notice, |mut rx| async move {
+            rx.changed().await.ok()?;
+            let draining = *rx.borrow_and_update();
+            Some((Input::Draining(draining), rx))
         });
-        let responses =
-            futures::stream::unfold((outbox, gone.drop_guard()), |(outbox, gone)| async move {
-                let next = outbox.next().await?;
-                Some((next, (outbox, gone)))
-            });
+        let input = futures::stream::select(
+            requests
+                .map(|request| Input::Request(Box::new(request)))
+                .chain(futures::stream::once(async { Input::Closed })),
+            draining,
+        )
+        .boxed();
+        let end = End::saying(drain, Some(Arc::new(ticket)), |_| {
+            Status::unavailable("the broker is draining this connection: resolve again")
+        });
+        let responses = Messages::with_input(members, end, tracing::Span::none(), view, input);
         Ok(Response::new(responses.boxed()))
     }
 

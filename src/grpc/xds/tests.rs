@@ -12,7 +12,7 @@ use serde_json::json;
 use super::resources::{CLUSTER, ENDPOINTS, LISTENER, ROUTE};
 use super::*;
 use crate::registry::Update;
-use crate::source::Object;
+use crate::source::{Object, SetEvent};
 
 fn service() -> XdsService {
     "crd-broker.flags:8013".parse().unwrap()
@@ -668,30 +668,62 @@ fn a_port_is_found_by_the_service_ports_name_and_replicas_by_address_and_port() 
     assert_eq!(ports, [9000, 9002]);
 }
 
+/// The Service's slice at resourceVersion `rv`, with one ready endpoint at `10.0.0.<rv>`.
+fn one_at(rv: u8) -> (String, Object) {
+    let (name, update) = slice(
+        "crd-broker-abc",
+        json!([{"addresses": [format!("10.0.0.{rv}")], "conditions": {"ready": true}}]),
+    );
+    let mut object = update.object.clone();
+    object.resource_version = rv.to_string();
+    (name, object)
+}
+
 #[tokio::test]
-async fn a_client_that_does_not_read_holds_one_response_per_type_the_latest() {
-    let outbox = Outbox::default();
-    let response = |type_url: &str, version: &str| DiscoveryResponse {
-        type_url: type_url.into(),
-        version_info: version.into(),
-        ..Default::default()
+async fn a_client_that_does_not_read_is_sent_the_latest_endpoints_when_it_reads() {
+    use futures::StreamExt;
+    use tokio_util::sync::CancellationToken;
+
+    let source = crate::source::scripted::Scripted::default();
+    let registry = Registry::new(source.clone(), Duration::ZERO, CancellationToken::new());
+    let set = service().endpoint_slices();
+    let metrics = Metrics::default();
+    let view = XdsView {
+        stream: stream(None),
+        members: Members::default(),
+        draining: false,
+        _open: Open::new(&metrics.xds.streams),
     };
-    outbox.put(response(ENDPOINTS, "1"));
-    outbox.put(response(LISTENER, "1"));
-    for v in 2..100 {
-        outbox.put(response(ENDPOINTS, &v.to_string()));
+    let (requests, input) = futures::channel::mpsc::unbounded();
+    let never = crate::conn::ConnDrain::new(CancellationToken::new());
+    let mut responses = Messages::with_input(
+        registry.subscribe(&set),
+        End::new(never, None),
+        tracing::Span::none(),
+        view,
+        input,
+    );
+    while source.live() == 0 {
+        tokio::task::yield_now().await;
     }
-    outbox.end(Some(Status::unavailable("drained")));
-    let first = outbox.next().await.unwrap().unwrap();
-    assert_eq!(
-        (first.type_url.as_str(), first.version_info.as_str()),
-        (ENDPOINTS, "99")
-    );
-    let second = outbox.next().await.unwrap().unwrap();
-    assert_eq!(second.type_url, LISTENER);
-    assert_eq!(
-        outbox.next().await.unwrap().unwrap_err().code(),
-        tonic::Code::Unavailable
-    );
-    assert!(outbox.next().await.is_none());
+    source.send_set(&set, SetEvent::Listed(vec![one_at(1)]));
+    let ask_endpoints = ask(ENDPOINTS, &["crd-broker.flags:8013"], "", "");
+    requests
+        .unbounded_send(Input::Request(Box::new(Ok(ask_endpoints))))
+        .unwrap();
+    let first = responses.next().await.unwrap().unwrap();
+    assert_eq!(assignment(&first)[0].0, "10.0.0.1");
+    // 99 changes while the client reads nothing: it is owed only the newest.
+    for i in 2..=100 {
+        let (name, object) = one_at(i);
+        source.send_set(&set, SetEvent::Applied(name, object));
+    }
+    while registry.watches()[0].updates < 100 {
+        tokio::task::yield_now().await;
+    }
+    let latest = responses.next().await.unwrap().unwrap();
+    assert_eq!(assignment(&latest)[0].0, "10.0.0.100");
+    // Nothing else is owed; the client's end of the stream ends it.
+    drop(requests);
+    assert!(responses.next().await.is_none());
 }
