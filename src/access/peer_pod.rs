@@ -16,7 +16,7 @@ use futures::FutureExt;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, ListParams};
 
-use super::Workload;
+use super::caller::{PodRef, Workload};
 use crate::cache::FlightCache;
 
 /// How long a found pod is trusted for new connections from its IP. A new pod on a reused IP
@@ -138,7 +138,7 @@ pub fn identify(ip: IpAddr, pods: &[Pod]) -> Found {
                 (Some(namespace), Some(name), Some(uid)) => Found::Pod(Workload {
                     namespace: namespace.clone(),
                     service_account,
-                    pod: Some(super::PodRef {
+                    pod: Some(PodRef {
                         name: name.clone(),
                         uid: uid.clone(),
                     }),

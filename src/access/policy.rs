@@ -20,7 +20,7 @@ use std::time::Duration;
 use serde::{Deserialize, Deserializer};
 use tokio::sync::watch;
 
-use super::Caller;
+use super::caller::Caller;
 use crate::selector::{KindRef, Selector, is_dns_label, is_dns_subdomain, quote};
 
 /// A policy, parsed and checked.

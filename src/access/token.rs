@@ -20,7 +20,7 @@ use futures::FutureExt;
 use k8s_openapi::api::authentication::v1::{TokenReview, TokenReviewSpec, TokenReviewStatus};
 use kube::api::{Api, PostParams};
 
-use super::{PodRef, Workload};
+use super::caller::{PodRef, Workload};
 use crate::cache::FlightCache;
 use crate::sync::lock;
 

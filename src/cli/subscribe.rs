@@ -4,14 +4,65 @@ use std::io::Write;
 use std::path::PathBuf;
 
 use anyhow::Context;
+use clap::Args;
 use serde_json::{Value, json};
 use tonic::metadata::MetadataValue;
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
 
-use super::SubscribeArgs;
 use crate::pb;
 use crate::pb::subscribe_response::Event;
 use crate::selector::{Selector, Target};
+
+/// `crd-broker subscribe`.
+#[derive(Debug, Args)]
+pub struct SubscribeArgs {
+    /// The broker's gRPC address: `http://host:port`, `https://host:port` (TLS), or
+    /// `unix:///path` for a unix socket.
+    #[arg(
+        long,
+        env = "CRD_BROKER_SERVER",
+        default_value = "http://127.0.0.1:8015"
+    )]
+    pub server: String,
+    /// The CA certificate (PEM) that signed the broker's; without it an `https://` broker is
+    /// verified against the system's roots.
+    #[arg(long, env = "CRD_BROKER_CA", value_name = "FILE")]
+    pub ca: Option<PathBuf>,
+    /// A client certificate (PEM) for mTLS, with --key.
+    #[arg(long, env = "CRD_BROKER_CERT", value_name = "FILE", requires = "key")]
+    pub cert: Option<PathBuf>,
+    /// The client certificate's private key (PEM), with --cert.
+    #[arg(long, env = "CRD_BROKER_KEY", value_name = "FILE", requires = "cert")]
+    pub key: Option<PathBuf>,
+    /// A file whose contents are sent as `authorization: Bearer <token>` (e.g. a projected
+    /// service account token, for `--identity token`).
+    #[arg(long, env = "CRD_BROKER_TOKEN_FILE", value_name = "FILE")]
+    pub token_file: Option<PathBuf>,
+    /// How to print events.
+    #[arg(long, short = 'o', env = "CRD_BROKER_OUTPUT", value_enum, default_value_t = Output::Text)]
+    pub output: Output,
+    /// When the stream ends (the broker drains, restarts or is lost), subscribe again with the
+    /// version of each resource last printed: what did not change since comes back as CURRENT,
+    /// with no object. Retries with backoff (0.1 s doubling to 5 s, jittered) until a status
+    /// that is not worth retrying. `--resume=false`: exit when the stream ends.
+    #[arg(
+        long,
+        env = "CRD_BROKER_RESUME",
+        default_value_t = true,
+        action = clap::ArgAction::Set,
+        num_args = 0..=1,
+        default_missing_value = "true",
+        value_name = "BOOL"
+    )]
+    pub resume: bool,
+    /// Resources, as <resource>[.<version>].<group>/<namespace>/<name>
+    /// (e.g. featureflags.core.openfeature.dev/default/demo), or one set, as
+    /// <resource>[.<version>].<group>/<namespace>?labelSelector=<URL-encoded selector>
+    /// (e.g. featureflags.core.openfeature.dev/default?labelSelector=app%3Dcheckout; the
+    /// namespace * is every namespace).
+    #[arg(required = true, value_name = "SELECTOR")]
+    pub selectors: Vec<Target>,
+}
 
 /// How events are printed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]

@@ -150,6 +150,13 @@ pub struct Update {
     pending: AtomicUsize,
 }
 
+/// A set member's state, made once per uid and resourceVersion ([`pool`]).
+impl From<Object> for Update {
+    fn from(object: Object) -> Update {
+        Update::new(object)
+    }
+}
+
 impl Update {
     /// Wraps an object.
     pub fn new(object: Object) -> Update {
@@ -629,7 +636,7 @@ fn publish<W: Watched>(
     metrics: &Metrics,
     labels: &ResourceLabels,
     report: W::Report,
-    members: &pool::Pool,
+    members: &pool::Pool<Update>,
 ) {
     let now = SystemTime::now();
     *lock(&stats.last_event) = Some(now);

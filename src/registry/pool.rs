@@ -1,7 +1,7 @@
 //! Set members' states, held once across sets. Two sets that select the same object (`!x1` and
 //! `!x2` both select everything in a namespace) list and watch it each, but a member at a
-//! resourceVersion another set already holds gets that set's [`Update`]: its bytes and its wire
-//! forms, not a copy. The pool holds its states weakly: a state no set holds any more is gone.
+//! resourceVersion another set already holds gets that set's state (an `Update`: its bytes and
+//! its wire forms), not a copy. The pool holds its states weakly: a state no set holds any more is gone.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
@@ -9,39 +9,46 @@ use std::sync::{Arc, Weak};
 use dashmap::DashMap;
 use dashmap::mapref::entry::Entry;
 
-use super::Update;
 use crate::source::Object;
 
-/// The members' states, by uid and resourceVersion.
-#[derive(Default)]
-pub struct Pool {
-    states: DashMap<(String, String), Weak<Update>>,
+/// The members' states, by uid and resourceVersion: each a `T` made from its object.
+pub struct Pool<T> {
+    states: DashMap<(String, String), Weak<T>>,
     /// How many states the pool held after its last sweep of the gone ones.
     swept: AtomicUsize,
+}
+
+impl<T> Default for Pool<T> {
+    fn default() -> Self {
+        Pool {
+            states: DashMap::default(),
+            swept: AtomicUsize::default(),
+        }
+    }
 }
 
 /// Below this many, gone states are not swept.
 const SWEEP_FROM: usize = 1024;
 
-impl Pool {
+impl<T: From<Object>> Pool<T> {
     /// The state of `object`: one a set holds already at its uid and resourceVersion, or a new
     /// one. An object without either (no API server made it) is never shared.
-    pub fn update(&self, object: Object) -> Arc<Update> {
+    pub fn update(&self, object: Object) -> Arc<T> {
         if object.uid.is_empty() || object.resource_version.is_empty() {
-            return Arc::new(Update::new(object));
+            return Arc::new(T::from(object));
         }
         let key = (object.uid.clone(), object.resource_version.clone());
         let update = match self.states.entry(key) {
             Entry::Occupied(mut held) => match held.get().upgrade() {
                 Some(update) => return update,
                 None => {
-                    let update = Arc::new(Update::new(object));
+                    let update = Arc::new(T::from(object));
                     held.insert(Arc::downgrade(&update));
                     update
                 }
             },
             Entry::Vacant(vacant) => {
-                let update = Arc::new(Update::new(object));
+                let update = Arc::new(T::from(object));
                 vacant.insert(Arc::downgrade(&update));
                 update
             }
@@ -86,7 +93,7 @@ mod tests {
 
     #[test]
     fn one_object_at_one_version_is_held_once() {
-        let pool = Pool::default();
+        let pool = Pool::<Object>::default();
         let a = pool.update(object("u1", "5", "{\"a\":1}"));
         let b = pool.update(object("u1", "5", "{\"a\":1}"));
         assert!(Arc::ptr_eq(&a, &b));
@@ -98,7 +105,7 @@ mod tests {
 
     #[test]
     fn a_state_no_set_holds_is_gone_and_swept() {
-        let pool = Pool::default();
+        let pool = Pool::<Object>::default();
         let first = pool.update(object("u1", "1", "{}"));
         let weak = Arc::downgrade(&first);
         drop(first);

@@ -308,7 +308,7 @@ fn member(uid: &str, rv: u64) -> Object {
 fn sets_holding_one_object_at_one_version_share_its_state() {
     use crate::selector::Set;
     use crate::source::SetEvent;
-    let pool = pool::Pool::default();
+    let pool = pool::Pool::<Update>::default();
     let (a, _a) = watch::channel(Members::default());
     let (b, _b) = watch::channel(Members::default());
     let listed = || {

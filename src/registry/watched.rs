@@ -11,7 +11,7 @@ use dashmap::DashMap;
 use futures::stream::BoxStream;
 use tokio::sync::watch;
 
-use super::pool::Pool;
+use super::pool;
 use super::{Entry, State, Update, WIRE_SLOTS, Wire};
 use crate::selector::{KindRef, Selector, Set};
 use crate::source::{Observed, SetEvent, Source, SourceError};
@@ -41,7 +41,7 @@ pub trait Watched:
         tx: &watch::Sender<Self::State>,
         report: Self::Report,
         skipped: &dyn Fn(u64),
-        pool: &Pool,
+        pool: &pool::Pool<Update>,
     ) -> bool;
 
     /// What `/debug/watches` says of `state`: a resource's resourceVersion, a set's member count.
@@ -57,7 +57,7 @@ pub trait Watched:
 pub struct Tables {
     pub(super) ones: DashMap<Selector, Entry<State>>,
     pub(super) sets: DashMap<Set, Entry<Members>>,
-    pub(super) members: Pool,
+    pub(super) members: pool::Pool<Update>,
 }
 
 /// What `/debug/watches` says of a watch's state.
@@ -93,7 +93,7 @@ impl Watched for Selector {
         tx: &watch::Sender<State>,
         report: Self::Report,
         skipped: &dyn Fn(u64),
-        _: &Pool,
+        _: &pool::Pool<Update>,
     ) -> bool {
         let subscribers = tx.receiver_count();
         // Subscribers present when `old` was published that have not written it now skip it.
@@ -280,7 +280,12 @@ impl Watched for Set {
         }
     }
 
-    fn apply(tx: &watch::Sender<Members>, report: SetEvent, _: &dyn Fn(u64), pool: &Pool) -> bool {
+    fn apply(
+        tx: &watch::Sender<Members>,
+        report: SetEvent,
+        _: &dyn Fn(u64),
+        pool: &pool::Pool<Update>,
+    ) -> bool {
         tx.send_if_modified(|members| {
             let changed = match report {
                 SetEvent::Listed(objects) => {

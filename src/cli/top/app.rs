@@ -5,7 +5,7 @@ use std::time::Instant;
 
 use ratatui::crossterm::event::{KeyCode, KeyEvent, KeyEventKind, KeyModifiers};
 
-use super::{COLUMNS, Column};
+use super::column::{COLUMNS, Column};
 
 /// One watch as the view shows it.
 #[derive(Debug, Clone, PartialEq)]

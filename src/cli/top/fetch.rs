@@ -5,7 +5,7 @@ use std::time::{Duration, SystemTime};
 use anyhow::Context;
 use serde_json::Value;
 
-use super::{Snapshot, SubscriberRow, WatchRow};
+use super::app::{Snapshot, SubscriberRow, WatchRow};
 
 /// `host:port` of an admin address given as a URL or as `host:port`.
 pub(super) fn authority(admin: &str) -> anyhow::Result<String> {

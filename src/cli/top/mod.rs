@@ -14,10 +14,12 @@ use std::time::{Duration, Instant};
 use ratatui::crossterm::event::{self, Event};
 
 mod app;
+mod column;
 mod fetch;
 mod view;
 
 pub use app::{App, Snapshot, SubscriberRow, WatchRow};
+pub use column::Column;
 pub use fetch::fetch;
 pub use view::draw;
 
@@ -51,50 +53,6 @@ fn token(file: Option<&std::path::Path>) -> anyhow::Result<Option<String>> {
             .with_context(|| format!("reading --token-file {}", f.display()))
     })
     .transpose()
-}
-
-/// The watches' columns, as `--sort` and `s` choose them.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum Column {
-    /// The resource.
-    Resource,
-    /// Subscribers now.
-    Subscribers,
-    /// New states per second.
-    Rate,
-    /// Seconds since the last event.
-    Last,
-    /// Errors since the watch started.
-    Errors,
-    /// Seconds the watch has reported only errors.
-    Stale,
-}
-
-const COLUMNS: [Column; 6] = [
-    Column::Resource,
-    Column::Subscribers,
-    Column::Rate,
-    Column::Last,
-    Column::Errors,
-    Column::Stale,
-];
-
-impl Column {
-    fn title(self) -> &'static str {
-        match self {
-            Column::Resource => "RESOURCE",
-            Column::Subscribers => "SUBSCRIBERS",
-            Column::Rate => "UPDATES/S",
-            Column::Last => "LAST EVENT",
-            Column::Errors => "ERRORS",
-            Column::Stale => "STALE",
-        }
-    }
-
-    fn next(self) -> Column {
-        let i = COLUMNS.iter().position(|c| *c == self).unwrap_or(0);
-        COLUMNS[(i + 1) % COLUMNS.len()]
-    }
 }
 
 /// Runs the view until `q`.

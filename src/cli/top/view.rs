@@ -8,7 +8,8 @@ use ratatui::style::{Modifier, Style, Stylize};
 use ratatui::text::Line;
 use ratatui::widgets::{Block, Cell, Paragraph, Row, Table};
 
-use super::{App, COLUMNS, Column};
+use super::app::App;
+use super::column::{COLUMNS, Column};
 use crate::selector::Target;
 
 /// A watch's resource as the view shows it, the way `kubectl get` names things: the kind by its

@@ -28,7 +28,7 @@ use envoy_types::pb::google::protobuf::{Any, UInt32Value};
 use prost::Message;
 use serde::Deserialize;
 
-use super::XdsService;
+use super::service::XdsService;
 use crate::registry::Members;
 use crate::telemetry::XdsType;
 

@@ -25,8 +25,8 @@ use futures::stream::{self, BoxStream};
 use kube::api::{Api, DynamicObject, ListParams, WatchEvent, WatchParams};
 use tokio::time::Instant;
 
+use super::convert::{api_error, to_object};
 use super::http::Pinged;
-use super::{api_error, to_object};
 use crate::source::retry::{Backoff, Recovery, Refusals, Turn};
 use crate::source::{Object, Observed, SourceError};
 
@@ -84,13 +84,26 @@ pub(super) struct Upstream {
     pub streaming: Streaming,
 }
 
+/// How the broker takes the objects of a namespace or a set, when it starts watching them and
+/// when it must start over.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum StreamingLists {
+    /// A streaming list (a watch with `sendInitialEvents=true`, the objects one event at a time
+    /// up to the `k8s.io/initial-events-end` bookmark) while the API server takes it; a LIST
+    /// and a WATCH once it refuses, as client-go does.
+    #[default]
+    Auto,
+    /// A LIST in pages, then a WATCH.
+    Off,
+}
+
 /// Whether the API server is asked for streaming lists: as configured, until it refuses one.
 #[derive(Clone, Debug)]
 pub(super) struct Streaming(Arc<std::sync::atomic::AtomicBool>);
 
 impl Streaming {
-    pub(super) fn new(lists: super::StreamingLists) -> Streaming {
-        let on = lists == super::StreamingLists::Auto;
+    pub(super) fn new(lists: StreamingLists) -> Streaming {
+        let on = lists == StreamingLists::Auto;
         Streaming(Arc::new(std::sync::atomic::AtomicBool::new(on)))
     }
 

@@ -13,11 +13,13 @@ use kube::core::{ApiResource, GroupVersionKind};
 use tokio::time::Instant;
 
 use super::retry::Recovery;
-use super::{KindNames, Object, Observed, SetEvent, Source, SourceError};
+use super::{KindNames, Observed, SetEvent, Source, SourceError};
 use crate::cache::FlightCache;
 use crate::selector::{KindRef, Selector, Set};
 use crate::sync::lock;
+use convert::api_error;
 
+mod convert;
 mod follow;
 mod granularity;
 pub mod http;
@@ -25,6 +27,7 @@ mod requests;
 mod rights;
 pub mod throttle;
 
+pub use follow::StreamingLists;
 pub use http::ApiHttp2;
 
 /// Names of one kind watched in one namespace above which one namespace watch replaces theirs
@@ -52,19 +55,6 @@ const DISCOVERY_TIMEOUT: Duration = Duration::from_secs(10);
 /// (kube's default is no read timeout). The broker's own stack bounds each request's answer
 /// and each watch's silence instead.
 pub const READ_TIMEOUT: Duration = Duration::from_secs(120);
-
-/// How the broker takes the objects of a namespace or a set, when it starts watching them and
-/// when it must start over.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
-pub enum StreamingLists {
-    /// A streaming list (a watch with `sendInitialEvents=true`, the objects one event at a time
-    /// up to the `k8s.io/initial-events-end` bookmark) while the API server takes it; a LIST
-    /// and a WATCH once it refuses, as client-go does.
-    #[default]
-    Auto,
-    /// A LIST in pages, then a WATCH.
-    Off,
-}
 
 /// The API groups the server serves: each one's versions, the preferred first.
 #[derive(Debug)]
@@ -582,47 +572,6 @@ fn kind_names(
             namespaced: r.namespaced,
         })
         .collect()
-}
-
-/// An API error about `what`, by what a subscriber should make of it. The API server's own
-/// words are logged, not passed on: its 403 names the broker's identity and rights, which are
-/// none of a client's business.
-fn api_error(error: kube::Error, what: &str) -> SourceError {
-    match error {
-        kube::Error::Api(s) if s.code == 403 => {
-            tracing::warn!(%what, message = %s.message, "the API server refuses the broker");
-            SourceError::Forbidden(format!(
-                "the API server does not let the broker read {what} (forbidden)"
-            ))
-        }
-        kube::Error::Api(s) if s.code == 404 => {
-            SourceError::UnknownKind(format!("the API server has no {what} (404)"))
-        }
-        // Priority and Fairness answers in plain text, which kube cannot read as a Status.
-        kube::Error::Api(s) if s.code == 429 => {
-            tracing::debug!(%what, "the API server has no room for the broker's request (429)");
-            SourceError::Unavailable(format!(
-                "the API server has no room for the broker's request on {what} now (429 Too Many \
-                 Requests); it asks again when the server says"
-            ))
-        }
-        kube::Error::Api(s) => {
-            tracing::warn!(%what, code = s.code, message = %s.message, "the API server failed");
-            SourceError::Unavailable(format!(
-                "the API server failed on {what} ({} {})",
-                s.code, s.reason
-            ))
-        }
-        other => SourceError::Unavailable(format!("the API server cannot be reached ({other})")),
-    }
-}
-
-fn to_object(obj: &DynamicObject) -> Object {
-    Object {
-        json: serde_json::to_vec(obj).unwrap_or_default().into(),
-        uid: obj.metadata.uid.clone().unwrap_or_default(),
-        resource_version: obj.metadata.resource_version.clone().unwrap_or_default(),
-    }
 }
 
 impl Source for Kubernetes {
