@@ -2,18 +2,22 @@
 //!
 //! # Architecture
 //!
-//! A folder is a layer; dependencies point one way, from the top of this list to the bottom:
+//! A folder is a layer; dependencies point one way, from the top of this list to the bottom,
+//! and inside a folder no file imports one that imports it back (`tests/layers.rs` checks both):
 //!
 //! - [`cli`] — the command line: parses flags, picks the source and listeners, starts a
 //!   [`broker`], which assembles the layers below (the only module besides the command line that
 //!   knows them all).
 //! - [`ops`] — readiness and gRPC health, the admin endpoints, signals. It reads the registry.
-//! - [`grpc`] — the native and flagd services and the one mapping of errors to `Status`. A
-//!   request is validated ([`selector`] is the one place selectors are parsed), resolved through
-//!   the registry, and each resource's state streamed: at once, then on every change.
-//! - [`xds`] — the broker as its own xDS name resolver: state-of-the-world ADS serving the
-//!   ready replicas of its own Service from that Service's EndpointSlices, a set in the
-//!   registry (`--xds-service`).
+//! - [`grpc`] — every API on one shelf: the native service ([`grpc::native`]), flagd's sync
+//!   services ([`grpc::flagd`]) and the broker as its own xDS name resolver ([`grpc::xds`]:
+//!   state-of-the-world ADS serving the ready replicas of its own Service from that Service's
+//!   EndpointSlices, a set in the registry), beside what they share: admission (the one way into
+//!   the registry), delivery (drain, deadlines, per-subscriber metrics), the one mapping of
+//!   errors to `Status`, and the one stream shape every subscriber's stream has (a watch, what
+//!   ends it early, and the protocol's view of each state). A request is validated ([`selector`]
+//!   is the one place selectors are parsed), resolved through the registry, and each resource's
+//!   state streamed: at once, then on every change.
 //! - [`access`] — who the caller is and what it may read: identity sources (peer pod, token,
 //!   certificate, mesh headers), the namespace policy, per-caller limits. Its per-connection
 //!   layer puts the caller into each request's extensions; the services ask it to admit requests.
@@ -27,10 +31,15 @@
 //!   and publishes the latest state through a `tokio::sync::watch` channel, whose receiver count
 //!   is the reference count. It knows no gRPC and no callers.
 //! - [`source`] — the [`source::Source`] trait the registry is generic over, implemented by the
-//!   Kubernetes API (kube-rs `watch_object`) and a directory of manifests.
-//! - [`selector`] — selectors and the set syntax, parsed, displayed and validated in one place
-//!   (for the command line and the services alike), sets, and label selectors ([`selector::labels`]).
+//!   Kubernetes API (kube-rs `watch_object`) and a directory of manifests; a scripted source
+//!   fed by its caller stands in for both in unit tests and benchmarks.
+//! - [`selector`] — the core words: a resource ([`selector::Selector`]), a set
+//!   ([`selector::Set`]) and what a client writes to follow either ([`selector::Target`]),
+//!   parsed, displayed and validated in one place for the command line and the services alike;
+//!   label selectors ([`selector::labels`]).
 //! - [`cache`] — a bounded single-flight cache, for discovery, pod lookups and token reviews.
+//! - [`sync`] — a mutex's guard through a holder's panic, and a future polled only after it
+//!   woke: leaf pieces every layer may use.
 //! - [`telemetry`] — metric families (each defined and registered in its layer's file: watches,
 //!   subscriptions, the gRPC server, access, Kubernetes API requests, xDS, the process), logs and
 //!   traces. Every layer records into it and it imports none of them: what it needs to know at

@@ -23,12 +23,11 @@ use super::admit::admit_one;
 use super::delivery::{Delivery, counted, deadline_of, drain_of};
 use super::flag_sets::{Held, MemberSpec, Merge};
 use super::frame::Encoded;
-use super::messages::{End, Messages, Next, View};
+use super::messages::{End, Messages, Next, Owed, View};
 use super::status::{shutting_down, source_status};
 use crate::access::{Access, Caller};
 use crate::pb::{flagd, legacy};
-use crate::registry::subscribers::record;
-use crate::registry::{Delivered, Members, PartRef, Registry, State, Wire};
+use crate::registry::{Members, Registry, State, Wire};
 use crate::selector::{KindRef, Selector, Set, Target};
 use crate::source::Source;
 use crate::telemetry::SyncStream;
@@ -392,15 +391,13 @@ impl<S: Source> FlagdCore<S> {
             } else {
                 Updates::Whole(None)
             },
-            queue: std::collections::VecDeque::new(),
+            owed: Owed::new(Some((registered, 0))),
             metrics: self.registry.metrics().clone(),
             name: name.clone(),
             context: self.context.clone(),
             protocol,
             limit: self.limit,
             set,
-            pending: None,
-            part: Some((registered, 0)),
         };
         let frames = Messages::new(members, end, tracing::Span::none(), view);
         Ok((name, frames.boxed()))
@@ -590,17 +587,13 @@ enum Updates {
 struct SetView {
     updates: Updates,
     /// Configurations made and not yet sent (an incremental update may be several).
-    queue: std::collections::VecDeque<Bytes>,
+    owed: Owed<Bytes>,
     metrics: Arc<crate::telemetry::Metrics>,
     name: String,
     context: Context,
     protocol: Protocol,
     limit: usize,
     set: Set,
-    /// The version of the members the queued configurations bring the client to, recorded in
-    /// `part` once the last of them is handed over.
-    pending: Option<Arc<str>>,
-    part: PartRef,
 }
 
 impl View<Members> for SetView {
@@ -611,22 +604,15 @@ impl View<Members> for SetView {
         if let Err(status) = self.queue_for(current) {
             return Next::Fail(status);
         }
-        // What the client holds once the queue is handed over (at once if nothing differs).
-        self.pending = Some(current.version(&self.set));
-        match self.more() {
-            Some(config) => Next::Send(config),
+        self.owed.bring_to(current.version(&self.set));
+        match self.owed.pop() {
+            Some(config) => Next::Send(Encoded(config)),
             None => Next::Wait,
         }
     }
 
     fn more(&mut self) -> Option<Encoded> {
-        let config = self.queue.pop_front();
-        if self.queue.is_empty()
-            && let Some(version) = self.pending.take()
-        {
-            record(&self.part, Delivered::Set(version));
-        }
-        config.map(Encoded)
+        self.owed.pop().map(Encoded)
     }
 }
 
@@ -647,7 +633,7 @@ impl SetView {
                         return Err(too_large(name, wire.bytes.len(), limit));
                     }
                     *last = Some(wire.digest);
-                    self.queue.push_back(wire.bytes);
+                    self.owed.push(wire.bytes);
                 }
             }
             Updates::Incremental(held) => {
@@ -658,8 +644,7 @@ impl SetView {
                     if config.len() > limit {
                         return Err(too_large(name, config.len(), limit));
                     }
-                    self.queue
-                        .push_back(self.protocol.encode(config, &self.context));
+                    self.owed.push(self.protocol.encode(config, &self.context));
                 }
             }
         }

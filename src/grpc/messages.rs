@@ -11,6 +11,7 @@
 //! than tonic's own encoder. Here a poll is one `watch` receiver check, an atomic swap for the
 //! drain ([`OnWake`]), and the caller's `next`.
 
+use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -25,7 +26,8 @@ use tonic::Status;
 use super::status::{drained, shutting_down};
 use crate::access::Ticket;
 use crate::conn::{ConnDrain, DrainReason};
-use crate::registry::{State, Subscription};
+use crate::registry::subscribers::record;
+use crate::registry::{Delivered, PartRef, State, Subscription};
 use crate::sync::OnWake;
 
 /// What ends a stream before its client does: its connection's drain (UNAVAILABLE: the client
@@ -114,6 +116,51 @@ pub(crate) enum Next<T> {
     Fail(Status),
     /// End the stream: its client is done.
     End,
+}
+
+/// What changes of a set owe one client: their messages in order, and the set's version they
+/// bring it to, recorded for `/debug/subscribers` once the last of them is handed over.
+pub(crate) struct Owed<T> {
+    queue: VecDeque<T>,
+    version: Option<Arc<str>>,
+    part: PartRef,
+}
+
+impl<T> Owed<T> {
+    /// Nothing owed yet; what is handed over is recorded in `part`.
+    pub(crate) fn new(part: PartRef) -> Self {
+        Owed {
+            queue: VecDeque::new(),
+            version: None,
+            part,
+        }
+    }
+
+    /// Owes `message`, after those owed already.
+    pub(crate) fn push(&mut self, message: T) {
+        self.queue.push_back(message);
+    }
+
+    /// Once what is owed is handed over (at once, if nothing is), the client holds `version`.
+    pub(crate) fn bring_to(&mut self, version: Arc<str>) {
+        self.version = Some(version);
+    }
+
+    /// The next message owed, recording the version once the last is taken.
+    pub(crate) fn pop(&mut self) -> Option<T> {
+        let message = self.queue.pop_front();
+        if self.queue.is_empty()
+            && let Some(version) = self.version.take()
+        {
+            record(&self.part, Delivered::Set(version));
+        }
+        message
+    }
+
+    /// [`Owed::pop`], as what a view says of a state.
+    pub(crate) fn next(&mut self) -> Next<T> {
+        self.pop().map_or(Next::Wait, Next::Send)
+    }
 }
 
 /// The messages a [`View`] makes of each state one subscription sees: the current state at

@@ -6,7 +6,7 @@
 //! skips to the newest state of each member, as single-resource streams do. Each member's
 //! frame is encoded once, for every subscriber; a subscriber holds references to what it sent.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use futures::StreamExt;
@@ -14,11 +14,10 @@ use futures::stream::BoxStream;
 use tonic::Status;
 
 use super::frame::{self, Frame};
-use super::messages::{End, Messages, Next, View};
+use super::messages::{End, Messages, Next, Owed, View};
 use super::status::source_status;
 use crate::pb::subscribe_response::Event;
-use crate::registry::subscribers::record;
-use crate::registry::{Delivered, Members, PartRef, Subscription, Update, slot};
+use crate::registry::{Members, PartRef, Subscription, Update, slot};
 use crate::selector::Set;
 
 /// One subscriber's stream of `set`, at `index` of its request, ended early by `end`; `resume`
@@ -37,10 +36,8 @@ pub(crate) fn stream(
         index,
         sent: BTreeMap::new(),
         synced: false,
-        queue: VecDeque::new(),
+        owed: Owed::new(part),
         resume,
-        pending: None,
-        part,
     };
     Messages::new(members, end, tracing::Span::none(), view).boxed()
 }
@@ -51,12 +48,8 @@ struct SetView {
     index: u32,
     sent: BTreeMap<String, Arc<Update>>,
     synced: bool,
-    queue: VecDeque<Frame>,
+    owed: Owed<Frame>,
     resume: Option<String>,
-    /// The version of the members the queued frames bring the client to, recorded once the
-    /// last of them is handed over.
-    pending: Option<Arc<str>>,
-    part: PartRef,
 }
 
 impl View<Members> for SetView {
@@ -74,22 +67,13 @@ impl View<Members> for SetView {
         }
         self.catch_up(members);
         if self.synced {
-            self.pending = Some(members.version(&self.set));
+            self.owed.bring_to(members.version(&self.set));
         }
-        match self.more() {
-            Some(frame) => Next::Send(frame),
-            None => Next::Wait,
-        }
+        self.owed.next()
     }
 
     fn more(&mut self) -> Option<Frame> {
-        let frame = self.queue.pop_front();
-        if self.queue.is_empty()
-            && let Some(version) = self.pending.take()
-        {
-            record(&self.part, Delivered::Set(version));
-        }
-        frame
+        self.owed.pop()
     }
 }
 
@@ -117,7 +101,7 @@ impl SetView {
             event: Event::Synced,
             shared: frame::encode_synced(&self.set.to_string(), version),
         };
-        self.queue.push_back(frame);
+        self.owed.push(frame);
     }
 
     /// Queues what tells this subscriber's view apart from `members`.
@@ -148,7 +132,7 @@ impl SetView {
         for name in gone {
             if let Some(last) = self.sent.remove(&name) {
                 let frame = self.frame(Event::Deleted, &name, &last);
-                self.queue.push_back(frame);
+                self.owed.push(frame);
             }
         }
         for (name, update) in members.objects.iter() {
@@ -162,7 +146,7 @@ impl SetView {
                 Some(_) => then,
             };
             let frame = self.frame(event, name, update);
-            self.queue.push_back(frame);
+            self.owed.push(frame);
             self.sent.insert(name.clone(), update.clone());
         }
         if !self.synced {
