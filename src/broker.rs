@@ -42,7 +42,7 @@ pub struct Config {
     /// Identity, policy and per-caller limits.
     pub access: access::Settings,
     /// Who may read the admin endpoints that tell what exists.
-    pub admin: crate::ops::guard::Settings,
+    pub admin: crate::access::admin::Settings,
     /// The xDS name resolver for the broker's own Service, if on (`--xds-service`).
     pub xds: Option<crate::grpc::xds::Settings>,
     /// What every flagd sync response carries as its `sync_context` (`--context-value`).
@@ -91,7 +91,7 @@ impl Default for Config {
             transport: transport::Config::default(),
             max_watches: DEFAULT_MAX_WATCHES,
             access: access::Settings::default(),
-            admin: crate::ops::guard::Settings::default(),
+            admin: crate::access::admin::Settings::default(),
             xds: None,
             flagd_context: Vec::new(),
         }
@@ -169,8 +169,9 @@ impl<S: Source> Running<S> {
             error_reasons: &SourceError::REASONS,
         };
         let metrics = Arc::new(Metrics::new(known, source.api_requests()));
-        let guard = crate::ops::guard::Guard::new(config.admin, config.access.api.clone())?;
+        let api = config.access.api.clone();
         let access = Access::new(config.access, metrics.clone())?;
+        let guard = crate::access::admin::Guard::new(config.admin, api, access.token_reviewer())?;
         let registry = Registry::with_metrics(
             source,
             config.linger,

@@ -19,7 +19,8 @@
 //!   is the one place selectors are parsed), resolved through the registry, and each resource's
 //!   state streamed: at once, then on every change.
 //! - [`access`] — who the caller is and what it may read: identity sources (peer pod, token,
-//!   certificate, mesh headers), the namespace policy, per-caller limits. Its per-connection
+//!   certificate, mesh headers), the namespace policy, per-caller limits, and who may read the
+//!   admin port's guarded endpoints (one token reviewer for both ports). Its per-connection
 //!   layer puts the caller into each request's extensions; the services ask it to admit requests.
 //! - [`transport`] — the HTTP/2 server: listeners, TLS, per-connection drain and maximum age,
 //!   keepalive, the request size limit, the gRPC server metrics. It knows no service: it makes
@@ -37,6 +38,8 @@
 //!   ([`selector::Set`]) and what a client writes to follow either ([`selector::Target`]),
 //!   parsed, displayed and validated in one place for the command line and the services alike;
 //!   label selectors ([`selector::labels`]).
+//! - [`rights`] — what the broker's own identity may do in the cluster (access reviews of
+//!   itself), which the Kubernetes source and the access layer both ask for readiness.
 //! - [`cache`] — a bounded single-flight cache, for discovery, pod lookups and token reviews.
 //! - [`sync`] — a mutex's guard through a holder's panic, and a future polled only after it
 //!   woke: leaf pieces every layer may use.
@@ -56,6 +59,7 @@ pub mod conn;
 pub mod grpc;
 pub mod ops;
 pub mod registry;
+pub mod rights;
 pub mod selector;
 pub mod source;
 pub mod sync;

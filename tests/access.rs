@@ -856,7 +856,7 @@ async fn a_set_across_every_namespace_needs_a_grant_that_reads_every_namespace()
 /// as in a pod; `settings` for its access layer, `admin` for its admin port.
 async fn broker_in_its_pod(
     settings: Settings,
-    admin: crd_broker::ops::guard::Settings,
+    admin: crd_broker::access::admin::Settings,
 ) -> (
     fake_apiserver::FakeApiServer,
     crd_broker::broker::Running<crd_broker::source::kubernetes::Kubernetes>,
@@ -966,7 +966,7 @@ async fn in_linkerd_the_proxy_delivering_from_the_pods_own_ip_is_believed() {
 /// the pod's own, so with `--admin-auth kubernetes` it needs a token.
 #[tokio::test]
 async fn the_admin_guard_does_not_take_a_caller_from_the_pods_own_ip_for_the_pod() {
-    use crd_broker::ops::guard::{AdminAuth, Settings as Guard};
+    use crd_broker::access::admin::{AdminAuth, Settings as Guard};
     let guard = Guard {
         admin_auth: AdminAuth::Kubernetes,
         ..Guard::default()

@@ -333,7 +333,7 @@ async fn metrics_and_debug_watches_move_as_the_broker_works() {
 
 #[tokio::test]
 async fn debug_endpoints_answer_only_the_brokers_own_pod_unless_made_public() {
-    use crd_broker::ops::guard::{AdminAuth, DebugEndpoints, Settings};
+    use crd_broker::access::admin::{AdminAuth, DebugEndpoints, Settings};
     let fake = fake().await;
     let local = broker_with(&fake, with_admin().await, fast(), vec![]);
     let admin = local.admin_addr.unwrap();

@@ -12,28 +12,30 @@
 //!
 //! Identity off (`--identity none`) keeps the broker open, as before this layer: every caller
 //! is [`Caller::Anonymous`], the policy does not apply, and the limits count callers by peer IP.
+//!
+//! Every "who may" of the broker is decided here: who a caller is (`identify.rs`, from the
+//! sources in `peer_pod.rs`, `token.rs` and `identity.rs`), what it may read and within which
+//! limits (`admission.rs`, `policy.rs`, `limits.rs`), and who may read the admin port's guarded
+//! endpoints ([`admin`]); the gRPC port's tokens and the admin port's share one token
+//! [`token::Reviewer`].
 
 use std::collections::HashMap;
 use std::fmt;
 use std::net::IpAddr;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::Duration;
 
-use http::HeaderMap;
 use tokio_util::sync::CancellationToken;
-use tonic::Status;
 
-use crate::conn::{Peer, PeerAddr};
 use crate::selector::Selector;
-use crate::sync::lock;
-use crate::telemetry::{
-    Denial, DenialLabels, IdentifiedBy, IdentifyLabels, IdentifyResult, Limit, LimitLabels,
-    Metrics, ReloadLabels, ReloadResult,
-};
+use crate::telemetry::{Metrics, ReloadLabels, ReloadResult};
 
+pub mod admin;
+mod admission;
 mod caller;
+mod identify;
 pub mod identity;
 mod layer;
 pub mod limits;
@@ -41,14 +43,15 @@ pub mod peer_pod;
 pub mod policy;
 pub mod token;
 
+pub use admission::{RETRY_PUSHBACK, Ticket};
 pub use caller::{Caller, PodRef, Workload};
+pub use identify::ConnIdentity;
 pub use identity::{IdentityList, IdentitySource, Mesh};
 pub use layer::Authenticate;
 
-use caller::shared_address;
-use peer_pod::{Found, PeerPods};
+use peer_pod::PeerPods;
 use policy::Policy;
-use token::{Reviewed, Tokens};
+use token::{Reviewer, Tokens};
 
 /// The default `--token-audience`.
 pub const DEFAULT_TOKEN_AUDIENCE: &str = "crd-broker";
@@ -121,25 +124,6 @@ impl fmt::Debug for Settings {
     }
 }
 
-/// What the access layer knows about one connection: its peer, and the caller a per-connection
-/// source (`peer-pod`, `mtls`) found, kept once found.
-pub struct ConnIdentity {
-    peer: Peer,
-    pod: OnceLock<Workload>,
-    certificate: OnceLock<Result<Workload, String>>,
-}
-
-/// What one source made of a request.
-enum Outcome {
-    Identified(Caller),
-    Unidentified(String),
-    Failed(String),
-    /// A claim of identity the broker knows to be false: refused, whatever else might identify.
-    Forged(String),
-    /// Not looked into: the caller's source asked too often (RESOURCE_EXHAUSTED).
-    Limited(String),
-}
-
 /// Open streams, for revocation when the policy changes.
 type Open = Mutex<
     HashMap<
@@ -158,6 +142,7 @@ pub struct Access {
     settings: Settings,
     peer_pods: Option<PeerPods>,
     tokens: Option<Tokens>,
+    reviewer: Option<Arc<Reviewer>>,
     policy: policy::Current,
     limits: limits::Limits,
     open: Arc<Open>,
@@ -232,24 +217,30 @@ impl Access {
         let peer_pods = with(IdentitySource::PeerPod)
             .then(|| settings.api.clone().map(PeerPods::new))
             .flatten();
+        let reviewer = settings
+            .api
+            .clone()
+            .map(|api| Arc::new(Reviewer::new(api, settings.token_audiences.clone())));
         let tokens = with(IdentitySource::Token)
-            .then(|| {
-                settings
-                    .api
-                    .clone()
-                    .map(|api| Tokens::new(api, settings.token_audiences.clone()))
-            })
+            .then(|| reviewer.clone().map(Tokens::new))
             .flatten();
         Arc::new(Access {
             limits: limits::Limits::new(settings.limits),
             settings,
             peer_pods,
             tokens,
+            reviewer,
             policy,
             open: Arc::default(),
             next_ticket: AtomicU64::new(1),
             metrics,
         })
+    }
+
+    /// The broker's one token reviewer (none without a Kubernetes API), which the admin port's
+    /// guard shares.
+    pub fn token_reviewer(&self) -> Option<Arc<Reviewer>> {
+        self.reviewer.clone()
     }
 
     /// Whether callers are identified (`--identity` is not `none`).
@@ -272,7 +263,7 @@ impl Access {
         let Some(api) = &self.settings.api else {
             return Ok(());
         };
-        use crate::source::kubernetes::may;
+        use crate::rights::may;
         if self.peer_pods.is_some() {
             may(api, "list", "", "pods", None)
                 .await
@@ -284,435 +275,6 @@ impl Access {
                 .map_err(|e| format!("--identity token: {e}"))?;
         }
         Ok(())
-    }
-
-    /// The state of a new connection.
-    pub fn connection(&self, peer: &Peer) -> Arc<ConnIdentity> {
-        Arc::new(ConnIdentity {
-            peer: peer.clone(),
-            pod: OnceLock::new(),
-            certificate: OnceLock::new(),
-        })
-    }
-
-    /// Who is calling: the first `--identity` source that says, else a local caller on a unix
-    /// socket, else UNAUTHENTICATED naming what was tried (UNAVAILABLE if a source could not
-    /// ask the API server, so that clients retry).
-    pub async fn identify(
-        &self,
-        conn: &ConnIdentity,
-        headers: &HeaderMap,
-    ) -> Result<Caller, Status> {
-        if !self.identifies() {
-            return Ok(Caller::anonymous(&conn.peer, &self.settings.mesh_proxies));
-        }
-        let mut tried = Vec::new();
-        let mut failed = false;
-        for &source in &self.settings.identity.0 {
-            let outcome = match source {
-                IdentitySource::PeerPod => self.by_peer_pod(conn).await,
-                IdentitySource::Token => self.by_token(conn, headers).await,
-                IdentitySource::Mtls => self.by_certificate(conn),
-                IdentitySource::Mesh => self.by_mesh(conn, headers),
-            };
-            match outcome {
-                Outcome::Identified(caller) => {
-                    self.count_identification(
-                        IdentifiedBy::from(source),
-                        IdentifyResult::Identified,
-                    );
-                    return Ok(caller);
-                }
-                Outcome::Unidentified(why) => tried.push(format!("{source}: {why}")),
-                Outcome::Failed(why) => {
-                    failed = true;
-                    tried.push(format!("{source}: {why}"));
-                }
-                Outcome::Limited(why) => {
-                    self.count_identification(IdentifiedBy::from(source), IdentifyResult::Limited);
-                    self.count_limit(Limit::TokenReviews);
-                    return Err(Status::resource_exhausted(why));
-                }
-                Outcome::Forged(why) => {
-                    self.count_identification(IdentifiedBy::from(source), IdentifyResult::Forged);
-                    let from = conn.peer.ip().map(|ip| ip.to_string()).unwrap_or_default();
-                    tracing::warn!(%from, reason = %why, "a forged identity refused");
-                    return Err(Status::unauthenticated(format!(
-                        "the caller at {from} is refused: {why}"
-                    )));
-                }
-            }
-        }
-        if let PeerAddr::Unix { uid, .. } = conn.peer.addr {
-            self.count_identification(IdentifiedBy::Unix, IdentifyResult::Identified);
-            return Ok(Caller::Local { uid });
-        }
-        let from = conn.peer.ip().map(|ip| ip.to_string()).unwrap_or_default();
-        if failed {
-            self.count_identification(IdentifiedBy::Nothing, IdentifyResult::Failed);
-            return Err(Status::unavailable(format!(
-                "cannot identify the caller at {from} now: {}; retry",
-                tried.join("; ")
-            )));
-        }
-        self.count_identification(IdentifiedBy::Nothing, IdentifyResult::Unidentified);
-        Err(Status::unauthenticated(format!(
-            "no identity source identifies the caller at {from}: {}",
-            tried.join("; ")
-        )))
-    }
-
-    fn count_identification(&self, source: IdentifiedBy, result: IdentifyResult) {
-        self.metrics
-            .access
-            .identifications
-            .get_or_create(&IdentifyLabels { source, result })
-            .inc();
-    }
-
-    async fn by_peer_pod(&self, conn: &ConnIdentity) -> Outcome {
-        if let Some(w) = conn.pod.get() {
-            return Outcome::Identified(Caller::Workload(w.clone()));
-        }
-        let Some(ip) = conn.peer.ip() else {
-            return Outcome::Unidentified("not a TCP connection".into());
-        };
-        if conn.peer.from_own_address() {
-            // The broker's own pod has this IP, but such a connection is a proxy in the pod
-            // delivering someone else's (Linkerd since 2.11), or a process beside the broker.
-            return Outcome::Unidentified(format!(
-                "the connection comes from the broker's own address ({ip}): a proxy in its pod \
-                 forwarding another pod's caller, or a process beside it, which is no pod's caller"
-            ));
-        }
-        let Some(pods) = &self.peer_pods else {
-            return Outcome::Failed("no Kubernetes API".into());
-        };
-        match pods.find(ip).await {
-            Found::Pod(w) => {
-                // A racing request on the same connection may have set it: either is the pod.
-                let w = conn.pod.get_or_init(|| w).clone();
-                Outcome::Identified(Caller::Workload(w))
-            }
-            Found::Nobody(why) => Outcome::Unidentified(why),
-            Found::Failed(why) => Outcome::Failed(why),
-        }
-    }
-
-    fn shared_address(&self, peer: &Peer) -> bool {
-        shared_address(peer, &self.settings.mesh_proxies)
-    }
-
-    async fn by_token(&self, conn: &ConnIdentity, headers: &HeaderMap) -> Outcome {
-        let Some(value) = headers.get(http::header::AUTHORIZATION) else {
-            return Outcome::Unidentified("no authorization header".into());
-        };
-        let token = value
-            .to_str()
-            .ok()
-            .and_then(|v| {
-                v.strip_prefix("Bearer ")
-                    .or_else(|| v.strip_prefix("bearer "))
-            })
-            .map(str::trim)
-            .filter(|t| !t.is_empty());
-        let Some(token) = token else {
-            return Outcome::Unidentified(
-                "the authorization header is not `Bearer <token>`".into(),
-            );
-        };
-        let Some(tokens) = &self.tokens else {
-            return Outcome::Failed("no Kubernetes API".into());
-        };
-        // Where the token comes from: the caller's address, one for every caller at a proxy's
-        // (a new connection there is no new source), the connection on a unix socket.
-        let source = match conn.peer.ip() {
-            Some(ip) if self.shared_address(&conn.peer) => format!("proxy:{ip}"),
-            Some(ip) => format!("ip:{ip}"),
-            None => format!("connection:{}", conn.peer.id),
-        };
-        match tokens.review(token, &source).await {
-            Reviewed::ServiceAccount(w) => Outcome::Identified(Caller::Workload(w)),
-            Reviewed::Refused(why) => Outcome::Unidentified(why),
-            Reviewed::Failed(why) => Outcome::Failed(why),
-            Reviewed::Limited(why) => Outcome::Limited(why),
-        }
-    }
-
-    fn by_certificate(&self, conn: &ConnIdentity) -> Outcome {
-        let found = conn.certificate.get_or_init(|| {
-            let Some(chain) = &conn.peer.client_certs else {
-                return Err("no client certificate".into());
-            };
-            let leaf = chain.first().ok_or("no client certificate")?;
-            let sa = identity::certificate_spiffe_id(leaf, self.settings.trust_domain.as_deref())?;
-            Ok(Workload {
-                namespace: sa.namespace,
-                service_account: sa.name,
-                pod: None,
-                instance: Some(fingerprint(leaf)),
-            })
-        });
-        match found {
-            Ok(w) => Outcome::Identified(Caller::Workload(w.clone())),
-            Err(why) => Outcome::Unidentified(why.clone()),
-        }
-    }
-
-    fn by_mesh(&self, conn: &ConnIdentity, headers: &HeaderMap) -> Outcome {
-        let Some(mesh) = self.settings.mesh else {
-            return Outcome::Unidentified("no --mesh named".into());
-        };
-        // The other mesh's header: no proxy of this mesh sets it, so the client did.
-        let other = mesh.other();
-        if headers.contains_key(other.header()) {
-            return Outcome::Forged(format!(
-                "it sent {}, which only {other}'s proxy sets, and this broker is in {mesh} (--mesh {mesh})",
-                other.header()
-            ));
-        }
-        // Linkerd's proxy delivers from the pod's own IP since 2.11 (from 127.0.0.1 before).
-        let from_proxy = conn
-            .peer
-            .ip()
-            .is_some_and(|ip| self.settings.mesh_proxies.contains(&ip))
-            || (mesh == Mesh::Linkerd && conn.peer.from_own_address());
-        if !from_proxy {
-            // Anyone can send the header; only the local proxy's is believed.
-            return Outcome::Unidentified(
-                "not from a local mesh proxy address (--mesh-proxy-addr); its mesh headers are ignored"
-                    .into(),
-            );
-        }
-        let values: Vec<&str> = headers
-            .get_all(mesh.header())
-            .iter()
-            .filter_map(|v| v.to_str().ok())
-            .collect();
-        if values.is_empty() {
-            return Outcome::Unidentified(format!("no {} header", mesh.header()));
-        }
-        let value = values.join(",");
-        let trust_domain = self.settings.trust_domain.as_deref();
-        let found = match mesh {
-            Mesh::Istio => identity::xfcc(&value, trust_domain).map(|(sa, hash)| {
-                let instance = hash.unwrap_or_else(|| fingerprint(value.as_bytes()));
-                (sa, Some(instance))
-            }),
-            Mesh::Linkerd => identity::l5d_client_id(&value, trust_domain).map(|sa| (sa, None)),
-        };
-        match found {
-            Ok((sa, instance)) => Outcome::Identified(Caller::Workload(Workload {
-                namespace: sa.namespace,
-                service_account: sa.name,
-                pod: None,
-                instance,
-            })),
-            Err(why) => Outcome::Unidentified(why),
-        }
-    }
-
-    /// Refuses, before anything is resolved, a caller who may read nothing in the selector's
-    /// namespace: PERMISSION_DENIED naming the caller and the namespace, the same whether or
-    /// not the resource exists.
-    pub fn precheck(&self, caller: &Caller, selector: &Selector) -> Result<(), Status> {
-        if self
-            .policy
-            .get()
-            .may_read_in(caller, selector.namespace.as_deref())
-        {
-            return Ok(());
-        }
-        Err(self.denied(caller, selector, Denial::Namespace))
-    }
-
-    /// Refuses a caller who may not read the resolved `selector`'s kind there.
-    pub fn authorize(&self, caller: &Caller, selector: &Selector) -> Result<(), Status> {
-        if self.policy.get().may_read(caller, selector) {
-            return Ok(());
-        }
-        Err(self.denied(caller, selector, Denial::Kind))
-    }
-
-    fn denied(&self, caller: &Caller, selector: &Selector, reason: Denial) -> Status {
-        let reason = match (reason, &selector.namespace) {
-            (_, None) => Denial::ClusterScoped,
-            (r, Some(_)) => r,
-        };
-        self.count_denial(reason);
-        Status::permission_denied(denial_message(caller, selector))
-    }
-
-    /// The callers with streams open and how many each has (callers the limits do not apply
-    /// to, such as a local mesh proxy, are not listed).
-    pub fn callers(&self) -> Vec<(String, usize)> {
-        self.limits.callers()
-    }
-
-    /// Admits a stream of `caller`'s over the resolved `selectors`, of which `new` are not
-    /// watched yet, within the per-caller limits (RESOURCE_EXHAUSTED naming the limit).
-    pub fn admit(
-        &self,
-        caller: &Caller,
-        selectors: &[Selector],
-        new: limits::New,
-    ) -> Result<Ticket, Status> {
-        let slot = self
-            .limits
-            .admit(caller.limit_key(), new)
-            .map_err(|refused| {
-                self.count_limit(refused.limit);
-                refusal_status(caller, refused)
-            })?;
-        let revoked = CancellationToken::new();
-        let reason = Arc::new(OnceLock::new());
-        let id = self.next_ticket.fetch_add(1, Ordering::Relaxed);
-        // Streams of anonymous callers are never revoked: no policy applies to them.
-        let registered = self.identifies();
-        if registered {
-            lock(&self.open).insert(
-                id,
-                (
-                    caller.clone(),
-                    selectors.to_vec(),
-                    revoked.clone(),
-                    reason.clone(),
-                ),
-            );
-        }
-        let ticket = Ticket {
-            slot,
-            id,
-            open: registered.then(|| self.open.clone()),
-            revoked,
-            reason,
-        };
-        // A reload between the caller's authorization and the registration above would have
-        // found nothing to revoke: the policy in force is asked again now that a reload will
-        // find this stream (dropping the ticket unregisters it).
-        if registered {
-            let policy = self.policy.get();
-            if let Some(s) = selectors.iter().find(|s| !policy.may_read(caller, s)) {
-                self.count_denial(Denial::Revoked);
-                let why = format!("{}; the policy changed", denial_message(caller, s));
-                return Err(Status::permission_denied(why));
-            }
-        }
-        Ok(ticket)
-    }
-
-    fn count_denial(&self, reason: Denial) {
-        self.metrics
-            .access
-            .denials
-            .get_or_create(&DenialLabels { reason })
-            .inc();
-    }
-
-    /// Counts a request refused by `limit`.
-    pub fn count_limit(&self, limit: crate::telemetry::Limit) {
-        self.metrics
-            .access
-            .limit_hits
-            .get_or_create(&LimitLabels { limit })
-            .inc();
-    }
-
-    /// Ends every open stream the policy now in force no longer allows.
-    fn revoke_what_the_policy_forbids(&self) {
-        let policy = self.policy.get();
-        let open = lock(&self.open);
-        for (caller, selectors, revoked, reason) in open.values() {
-            if let Some(s) = selectors.iter().find(|s| !policy.may_read(caller, s)) {
-                let _ = reason.set(format!("{}; the policy changed", denial_message(caller, s)));
-                self.count_denial(Denial::Revoked);
-                revoked.cancel();
-            }
-        }
-    }
-}
-
-/// The header in which a stream refused for the broker's pace is told when to try again, in
-/// milliseconds: gRPC's server pushback (gRFC A6), which a client's retry policy follows.
-pub const RETRY_PUSHBACK: &str = "grpc-retry-pushback-ms";
-
-/// RESOURCE_EXHAUSTED for a request the limits refuse, naming the caller and the limit, with
-/// the wait in [`RETRY_PUSHBACK`] where one is known.
-fn refusal_status(caller: &Caller, refused: limits::Refusal) -> Status {
-    let mut status = Status::resource_exhausted(format!("{caller}: {}", refused.why));
-    if let Some(wait) = refused.retry_after {
-        let millis = wait.as_millis().max(1).to_string();
-        if let Ok(value) = millis.parse() {
-            status.metadata_mut().insert(RETRY_PUSHBACK, value);
-        }
-    }
-    status
-}
-
-fn denial_message(caller: &Caller, selector: &Selector) -> String {
-    match &selector.namespace {
-        Some(ns) if ns == crate::selector::ALL_NAMESPACES => format!(
-            "{caller} may not read {}.{} in every namespace: no policy grant reads \"*\"",
-            selector.kind.resource, selector.kind.group
-        ),
-        Some(ns) => format!(
-            "{caller} may not read {}.{} in namespace {ns}: no policy grant covers it",
-            selector.kind.resource, selector.kind.group
-        ),
-        None => format!(
-            "{caller} may not read cluster-scoped {}.{}: no policy grant covers it",
-            selector.kind.resource, selector.kind.group
-        ),
-    }
-}
-
-/// A short hash of a certificate, to tell instances of one service account apart in the limits.
-fn fingerprint(der: &[u8]) -> String {
-    let digest = ring::digest::digest(&ring::digest::SHA256, der);
-    digest.as_ref()[..8]
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
-}
-
-/// A stream's admission: it counts the stream against its caller's limit while it lives, and
-/// [`Ticket::revoked`] resolves when a reloaded policy no longer lets the caller read it.
-pub struct Ticket {
-    slot: limits::Slot,
-    id: u64,
-    open: Option<Arc<Open>>,
-    revoked: CancellationToken,
-    reason: Arc<OnceLock<String>>,
-}
-
-impl Ticket {
-    /// A watch (`--max-watches-per-caller`) or a set (`--max-sets-per-caller`) this stream's
-    /// request started, charged to its caller until it ends.
-    pub fn charge(&self, what: limits::Charged) -> Option<limits::Charge> {
-        self.slot.charge(what)
-    }
-
-    /// Resolves with PERMISSION_DENIED if the stream is revoked; never otherwise.
-    pub fn revoked(&self) -> impl Future<Output = Status> + Send + 'static {
-        let revoked = self.revoked.clone();
-        let reason = self.reason.clone();
-        async move {
-            revoked.cancelled().await;
-            Status::permission_denied(
-                reason
-                    .get()
-                    .cloned()
-                    .unwrap_or_else(|| "access revoked".into()),
-            )
-        }
-    }
-}
-
-impl Drop for Ticket {
-    fn drop(&mut self) {
-        if let Some(open) = &self.open {
-            lock(open).remove(&self.id);
-        }
     }
 }
 

@@ -1,6 +1,9 @@
-//! `token`: `authorization: Bearer <token>` verified by a TokenReview for the broker's audiences.
+//! Bearer tokens, reviewed by the API server: the one [`Reviewer`] both ports share — the gRPC
+//! port's `token` identity source ([`Tokens`], a token made for the broker's audiences, a
+//! service account's) and the admin port's guard (a token for the API server itself, any user's,
+//! then asked whether that user may read the path).
 //!
-//! Tokens are remembered by their SHA-256, never the token itself. Verified ones are kept apart
+//! Tokens are remembered by their SHA-256 and the audience asked for, never the token itself. Verified ones are kept apart
 //! until the token expires, at most [`MAX_TTL`]: only a review that verified a token adds to
 //! them, so a flood of made-up tokens cannot evict them. Refusals are remembered for
 //! [`REFUSED_TTL`] (a client repeating a bad token costs one review per that long), in a bounded
@@ -17,7 +20,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use futures::FutureExt;
-use k8s_openapi::api::authentication::v1::{TokenReview, TokenReviewSpec, TokenReviewStatus};
+use k8s_openapi::api::authentication::v1::{
+    TokenReview, TokenReviewSpec, TokenReviewStatus, UserInfo,
+};
 use kube::api::{Api, PostParams};
 
 use super::caller::{PodRef, Workload};
@@ -51,7 +56,30 @@ pub const ROOM_WAIT: Duration = Duration::from_secs(1);
 /// The longest token looked at (projected tokens are about 1 KiB).
 pub const MAX_TOKEN: usize = 16 * 1024;
 
-/// What a review said.
+/// Whom a token must have been made for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Audience {
+    /// The broker (`--token-audience`): what sidecars send on the gRPC port.
+    Broker,
+    /// The API server itself: what users send the admin port, as to the API server.
+    ApiServer,
+}
+
+/// What the API server said of a token.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Answer {
+    /// Whose it is.
+    User(UserInfo),
+    /// It is not one for the audience: why.
+    Refused(String),
+    /// The review failed: why.
+    Failed(String),
+    /// Not reviewed: its source has had too many new tokens reviewed lately, or too many are
+    /// under review at once.
+    Limited(String),
+}
+
+/// What a review for the gRPC port said.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Reviewed {
     /// The token is a service account's (with its pod, for a pod-bound token).
@@ -64,22 +92,23 @@ pub enum Reviewed {
     Limited(String),
 }
 
-type Digest = [u8; 32];
+/// A token by its digest, and the audience it was reviewed for.
+type Key = ([u8; 32], Audience);
 
 /// Verified tokens, until each expires.
 #[derive(Default)]
-struct Verified(Mutex<HashMap<Digest, (Workload, tokio::time::Instant)>>);
+struct Verified(Mutex<HashMap<Key, (UserInfo, tokio::time::Instant)>>);
 
 impl Verified {
-    fn get(&self, key: &Digest) -> Option<Workload> {
+    fn get(&self, key: &Key) -> Option<UserInfo> {
         let map = lock(&self.0);
-        let (workload, until) = map.get(key)?;
-        (*until > tokio::time::Instant::now()).then(|| workload.clone())
+        let (user, until) = map.get(key)?;
+        (*until > tokio::time::Instant::now()).then(|| user.clone())
     }
 
     /// Remembers a verified token; when full, the expired ones go first, then those expiring
     /// soonest (all verified: a real token is never pushed out by a made-up one).
-    fn insert(&self, key: Digest, workload: Workload, ttl: Duration) {
+    fn insert(&self, key: Key, user: UserInfo, ttl: Duration) {
         let now = tokio::time::Instant::now();
         let mut map = lock(&self.0);
         if map.len() >= CAPACITY && !map.contains_key(&key) {
@@ -93,26 +122,27 @@ impl Verified {
                 map.remove(&soonest);
             }
         }
-        map.insert(key, (workload, now + ttl));
+        map.insert(key, (user, now + ttl));
     }
 }
 
-/// Token reviews, remembered and rate-limited.
-pub struct Tokens {
+/// Token reviews, remembered and rate-limited: one for the whole broker.
+pub struct Reviewer {
     client: kube::Client,
+    /// The broker's audiences (`--token-audience`).
     audiences: Vec<String>,
     verified: Arc<Verified>,
     /// Refusals, and the reviews in flight.
-    others: FlightCache<Digest, Reviewed>,
+    others: FlightCache<Key, Answer>,
     rates: crate::access::limits::Rates,
     in_flight: Arc<tokio::sync::Semaphore>,
     reviews: Arc<AtomicU64>,
 }
 
-impl Tokens {
-    /// Reviews through `client` for `audiences`.
+impl Reviewer {
+    /// Reviews through `client`; a token for the broker must be for one of `audiences`.
     pub fn new(client: kube::Client, audiences: Vec<String>) -> Self {
-        Tokens {
+        Reviewer {
             client,
             audiences,
             verified: Arc::default(),
@@ -128,30 +158,33 @@ impl Tokens {
         self.reviews.load(Ordering::Relaxed)
     }
 
-    /// Who `token` belongs to, `source` (the caller's address, or its connection where the
-    /// address stands for many) sending it.
-    pub async fn review(&self, token: &str, source: &str) -> Reviewed {
+    /// Whose `token` is, as one made for `audience`, `source` (the caller's address, or its
+    /// connection where the address stands for many) sending it.
+    pub async fn review(&self, token: &str, source: &str, audience: Audience) -> Answer {
         if token.len() > MAX_TOKEN {
-            return Reviewed::Refused(format!(
+            return Answer::Refused(format!(
                 "the bearer token is {} bytes, longer than any Kubernetes token",
                 token.len()
             ));
         }
         let digest = ring::digest::digest(&ring::digest::SHA256, token.as_bytes());
-        let mut key = [0u8; 32];
-        key.copy_from_slice(digest.as_ref());
-        if let Some(workload) = self.verified.get(&key) {
-            return Reviewed::ServiceAccount(workload);
+        let mut key = ([0u8; 32], audience);
+        key.0.copy_from_slice(digest.as_ref());
+        if let Some(user) = self.verified.get(&key) {
+            return Answer::User(user);
         }
         // A refusal remembered, or a review in flight, costs no new review.
         if !self.others.holds(&key) && !self.rates.take(source) {
-            return Reviewed::Limited(format!(
+            return Answer::Limited(format!(
                 "{source} has shown more new bearer tokens than the broker reviews for one \
                  source ({REVIEW_RATE} a second, {REVIEW_BURST} at once); retry later"
             ));
         }
         let client = self.client.clone();
-        let audiences = self.audiences.clone();
+        let audiences = match audience {
+            Audience::Broker => Some(self.audiences.clone()),
+            Audience::ApiServer => None,
+        };
         let reviews = self.reviews.clone();
         let verified = self.verified.clone();
         let in_flight = self.in_flight.clone();
@@ -165,29 +198,92 @@ impl Tokens {
                             "the broker is reviewing {MAX_REVIEWS_IN_FLIGHT} bearer tokens at once, \
                              the most it asks the API server; retry later"
                         );
-                        return (Reviewed::Limited(why), Duration::ZERO);
+                        return (Answer::Limited(why), Duration::ZERO);
                     };
                     reviews.fetch_add(1, Ordering::Relaxed);
-                    let reviewed = review(client, &token, audiences).await;
-                    let ttl = match &reviewed {
-                        Reviewed::ServiceAccount(workload) => {
+                    let answer = review(client, &token, audiences).await;
+                    let ttl = match &answer {
+                        Answer::User(user) => {
                             let ttl = expiry(&token)
                                 .and_then(|exp| exp.duration_since(SystemTime::now()).ok())
                                 .unwrap_or(MAX_TTL)
                                 .min(MAX_TTL);
                             // Kept apart from refusals, before the askers have the answer.
-                            verified.insert(key, workload.clone(), ttl);
+                            verified.insert(key, user.clone(), ttl);
                             Duration::ZERO
                         }
-                        Reviewed::Refused(_) => REFUSED_TTL,
-                        Reviewed::Failed(_) | Reviewed::Limited(_) => Duration::ZERO,
+                        Answer::Refused(_) => REFUSED_TTL,
+                        Answer::Failed(_) | Answer::Limited(_) => Duration::ZERO,
                     };
-                    (reviewed, ttl)
+                    (answer, ttl)
                 }
                 .boxed()
             })
             .await
     }
+}
+
+/// The token of an `authorization` header's value, `Bearer <token>`.
+pub fn bearer(value: &str) -> Option<&str> {
+    value
+        .strip_prefix("Bearer ")
+        .or_else(|| value.strip_prefix("bearer "))
+        .map(str::trim)
+        .filter(|t| !t.is_empty())
+}
+
+/// The `token` identity source: a service account's token, made for the broker.
+pub struct Tokens(Arc<Reviewer>);
+
+impl Tokens {
+    /// Tokens reviewed by `reviewer`.
+    pub fn new(reviewer: Arc<Reviewer>) -> Self {
+        Tokens(reviewer)
+    }
+
+    /// Reviews made so far (API requests), for either port.
+    pub fn reviews(&self) -> u64 {
+        self.0.reviews()
+    }
+
+    /// Whose service account `token` is, `source` sending it (see [`Reviewer::review`]).
+    pub async fn review(&self, token: &str, source: &str) -> Reviewed {
+        match self.0.review(token, source, Audience::Broker).await {
+            Answer::User(user) => service_account(user),
+            Answer::Refused(why) => Reviewed::Refused(why),
+            Answer::Failed(why) => Reviewed::Failed(why),
+            Answer::Limited(why) => Reviewed::Limited(why),
+        }
+    }
+}
+
+/// The workload a user is, if it is a service account's (with its pod, for a pod-bound token).
+fn service_account(user: UserInfo) -> Reviewed {
+    let username = user.username.unwrap_or_default();
+    let Some((namespace, service_account)) = username
+        .strip_prefix("system:serviceaccount:")
+        .and_then(|rest| rest.split_once(':'))
+    else {
+        return Reviewed::Refused(format!(
+            "the bearer token is user {}'s, not a service account's",
+            crate::selector::quote(&username)
+        ));
+    };
+    let extra = user.extra.unwrap_or_default();
+    let first = |key: &str| extra.get(key).and_then(|v| v.first()).cloned();
+    let pod = match (
+        first("authentication.kubernetes.io/pod-name"),
+        first("authentication.kubernetes.io/pod-uid"),
+    ) {
+        (Some(name), Some(uid)) => Some(PodRef { name, uid }),
+        _ => None,
+    };
+    Reviewed::ServiceAccount(Workload {
+        namespace: namespace.to_string(),
+        service_account: service_account.to_string(),
+        pod,
+        instance: None,
+    })
 }
 
 /// A TokenReview of `token` for `audiences` (`None`: the API server's own), bounded in time:
@@ -220,16 +316,17 @@ pub(crate) async fn token_review(
     }
 }
 
-async fn review(client: kube::Client, token: &str, audiences: Vec<String>) -> Reviewed {
-    let status = match token_review(client, token, Some(audiences.clone())).await {
+/// The review of `token` for `audiences` (`None`: the API server's own).
+async fn review(client: kube::Client, token: &str, audiences: Option<Vec<String>>) -> Answer {
+    let status = match token_review(client, token, audiences.clone()).await {
         Ok(status) => status,
-        Err(why) => return Reviewed::Failed(why),
+        Err(why) => return Answer::Failed(why),
     };
     if status.authenticated != Some(true) {
         // The API server's error says why (expired, wrong audience); it is about the caller's
         // own token, so it may be passed on, bounded.
         let why = status.error.unwrap_or_else(|| "not authenticated".into());
-        return Reviewed::Refused(format!(
+        return Answer::Refused(format!(
             "the bearer token was refused: {}",
             crate::selector::quote(&why)
         ));
@@ -237,41 +334,18 @@ async fn review(client: kube::Client, token: &str, audiences: Vec<String>) -> Re
     // An authenticator that does not check audiences answers without them, and the token may
     // then be one for the API server itself (which any pod's default token is): only a review
     // that names one of the broker's audiences says the token was made for the broker.
-    let confirmed = status.audiences.unwrap_or_default();
-    if !confirmed.iter().any(|a| audiences.contains(a)) {
-        return Reviewed::Refused(format!(
-            "the TokenReview did not confirm the bearer token is for {} (it named {}): the API \
-             server's authenticator may not check audiences",
-            audiences.join(", "),
-            crate::selector::quote(&confirmed.join(", "))
-        ));
+    if let Some(audiences) = audiences {
+        let confirmed = status.audiences.unwrap_or_default();
+        if !confirmed.iter().any(|a| audiences.contains(a)) {
+            return Answer::Refused(format!(
+                "the TokenReview did not confirm the bearer token is for {} (it named {}): the \
+                 API server's authenticator may not check audiences",
+                audiences.join(", "),
+                crate::selector::quote(&confirmed.join(", "))
+            ));
+        }
     }
-    let user = status.user.unwrap_or_default();
-    let username = user.username.unwrap_or_default();
-    let Some((namespace, service_account)) = username
-        .strip_prefix("system:serviceaccount:")
-        .and_then(|rest| rest.split_once(':'))
-    else {
-        return Reviewed::Refused(format!(
-            "the bearer token is user {}'s, not a service account's",
-            crate::selector::quote(&username)
-        ));
-    };
-    let extra = user.extra.unwrap_or_default();
-    let first = |key: &str| extra.get(key).and_then(|v| v.first()).cloned();
-    let pod = match (
-        first("authentication.kubernetes.io/pod-name"),
-        first("authentication.kubernetes.io/pod-uid"),
-    ) {
-        (Some(name), Some(uid)) => Some(PodRef { name, uid }),
-        _ => None,
-    };
-    Reviewed::ServiceAccount(Workload {
-        namespace: namespace.to_string(),
-        service_account: service_account.to_string(),
-        pod,
-        instance: None,
-    })
+    Answer::User(status.user.unwrap_or_default())
 }
 
 /// A JWT's `exp` claim, read without verifying (the API server has just verified the token).

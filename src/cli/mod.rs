@@ -186,7 +186,7 @@ pub struct Serve {
         value_enum,
         default_value = "local"
     )]
-    pub debug_endpoints: crate::ops::guard::DebugEndpoints,
+    pub debug_endpoints: crate::access::admin::DebugEndpoints,
     /// How other callers may read `/debug/*`: `kubernetes`, a bearer token of a user the API
     /// server allows to `get` the path as a nonResourceURL (TokenReview, then
     /// SubjectAccessReview; the broker needs `create` on both), or `none`.
@@ -196,7 +196,7 @@ pub struct Serve {
         value_enum,
         default_value = "none"
     )]
-    pub admin_auth: crate::ops::guard::AdminAuth,
+    pub admin_auth: crate::access::admin::AdminAuth,
     /// The same for `/metrics` from outside the broker's pod: `none` (open to all, the default),
     /// or `kubernetes`.
     #[arg(
@@ -205,7 +205,7 @@ pub struct Serve {
         value_enum,
         default_value = "none"
     )]
-    pub metrics_auth: crate::ops::guard::AdminAuth,
+    pub metrics_auth: crate::access::admin::AdminAuth,
     /// Serve the CRDs and custom resources in this directory of manifests instead of a
     /// cluster; edits to its files are seen as changes.
     #[arg(long, env = "CRD_BROKER_MANIFESTS", value_name = "DIR")]
@@ -549,7 +549,7 @@ impl Serve {
             },
             max_watches: self.max_watches,
             flagd_context: self.context_values.clone(),
-            admin: crate::ops::guard::Settings {
+            admin: crate::access::admin::Settings {
                 debug_endpoints: self.debug_endpoints,
                 admin_auth: self.admin_auth,
                 metrics_auth: self.metrics_auth,

@@ -16,7 +16,7 @@ use axum::routing::get;
 use serde_json::json;
 use tokio::net::TcpListener;
 
-use crate::ops::guard::{self, Ends, Guard};
+use crate::access::admin::{self as guard, Ends, Guard};
 use crate::ops::health::Readiness;
 use crate::registry::subscribers::Subscriber;
 use crate::registry::{Registry, WatchStatus};

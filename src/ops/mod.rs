@@ -2,6 +2,5 @@
 //! layer: it reads the registry and the source's checks; nothing below it imports it.
 
 pub mod admin;
-pub mod guard;
 pub mod health;
 pub mod shutdown;

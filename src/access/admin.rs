@@ -7,7 +7,8 @@
 //! authorized already. A connection from the pod's IP to itself is not: that is how Linkerd's
 //! proxy (since 2.11) delivers every caller, from anywhere. Anyone else needs `--debug-endpoints
 //! public`, or with `--admin-auth kubernetes` a bearer token the API server verifies
-//! (TokenReview) for a user it allows to `get` the path as a nonResourceURL
+//! (TokenReview, through the broker's one [`Reviewer`]: one cache and one rate per source
+//! with the gRPC port's tokens) for a user it allows to `get` the path as a nonResourceURL
 //! (SubjectAccessReview), as controller-runtime's metrics filter does.
 
 use std::net::{IpAddr, SocketAddr};
@@ -19,13 +20,13 @@ use axum::http::{HeaderMap, StatusCode, header};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use futures::FutureExt;
+use k8s_openapi::api::authentication::v1::UserInfo;
 use k8s_openapi::api::authorization::v1::{
     NonResourceAttributes, SubjectAccessReview, SubjectAccessReviewSpec,
 };
 use kube::api::{Api, PostParams};
 
-use crate::access::limits::Rates;
-use crate::access::token::{MAX_TOKEN, REVIEW_BURST, REVIEW_RATE, REVIEW_TIMEOUT, token_review};
+use super::token::{Answer, Audience, REVIEW_TIMEOUT, Reviewer, bearer};
 use crate::cache::FlightCache;
 
 /// Who may read `/debug/*` without credentials (`--debug-endpoints`).
@@ -109,12 +110,10 @@ fn is_localhost(ip: IpAddr) -> bool {
     }
 }
 
-/// What the API server said of a token and a path.
+/// What the API server said of a user and a path.
 #[derive(Debug, Clone)]
 enum Verdict {
     Allowed,
-    /// 401: not a token the API server knows.
-    Unauthenticated(String),
     /// 403: a user not allowed the path.
     Forbidden(String),
     /// 503: the API server did not answer.
@@ -125,29 +124,35 @@ enum Verdict {
 pub struct Guard {
     settings: Settings,
     client: Option<kube::Client>,
-    verdicts: FlightCache<([u8; 32], String), Verdict>,
-    rates: Rates,
+    /// The broker's token reviewer, shared with the gRPC port.
+    reviewer: Option<Arc<Reviewer>>,
+    /// What the API server said of a user (its name and groups) and a path.
+    verdicts: FlightCache<(String, String), Verdict>,
 }
 
-/// How long an allowed token and path are trusted without asking again, and how long a refusal
+/// How long a user's right to a path is trusted without asking again, and how long a refusal
 /// stands.
 const ALLOWED_TTL: Duration = Duration::from_secs(60);
 const REFUSED_TTL: Duration = Duration::from_secs(10);
 
 impl Guard {
-    /// A guard with `settings`, asking the API server through `client` (needed with
-    /// `--admin-auth kubernetes` or `--metrics-auth kubernetes`).
-    pub fn new(settings: Settings, client: Option<kube::Client>) -> anyhow::Result<Arc<Guard>> {
+    /// A guard with `settings`, asking the API server through `client` and `reviewer` (both
+    /// needed with `--admin-auth kubernetes` or `--metrics-auth kubernetes`).
+    pub fn new(
+        settings: Settings,
+        client: Option<kube::Client>,
+        reviewer: Option<Arc<Reviewer>>,
+    ) -> anyhow::Result<Arc<Guard>> {
         anyhow::ensure!(
-            client.is_some() || !settings.needs_api(),
+            (client.is_some() && reviewer.is_some()) || !settings.needs_api(),
             "--admin-auth kubernetes and --metrics-auth kubernetes ask the Kubernetes API server, \
              which the manifests source does not use"
         );
         Ok(Arc::new(Guard {
             settings,
             client,
+            reviewer,
             verdicts: FlightCache::new(10_000),
-            rates: Rates::new(REVIEW_RATE, REVIEW_BURST),
         }))
     }
 
@@ -164,11 +169,12 @@ impl Guard {
             return Ok(());
         }
         let from = ends.remote.ip().to_canonical();
-        let Some(client) = self
-            .client
-            .as_ref()
-            .filter(|_| auth == AdminAuth::Kubernetes)
-        else {
+        let (Some(client), Some(reviewer)) = (
+            self.client
+                .as_ref()
+                .filter(|_| auth == AdminAuth::Kubernetes),
+            self.reviewer.as_ref(),
+        ) else {
             return Err((
                 StatusCode::FORBIDDEN,
                 format!(
@@ -181,38 +187,32 @@ impl Guard {
         let token = headers
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
-            .and_then(|v| {
-                v.strip_prefix("Bearer ")
-                    .or_else(|| v.strip_prefix("bearer "))
-            })
-            .map(str::trim)
-            .filter(|t| !t.is_empty() && t.len() <= MAX_TOKEN);
+            .and_then(bearer);
         let Some(token) = token else {
             return Err((
                 StatusCode::UNAUTHORIZED,
                 format!("{path} needs `authorization: Bearer <token>` from a caller at {from}"),
             ));
         };
-        let digest = ring::digest::digest(&ring::digest::SHA256, token.as_bytes());
-        let mut key = ([0u8; 32], path.to_string());
-        key.0.copy_from_slice(digest.as_ref());
-        if !self.verdicts.holds(&key) && !self.rates.take(&from.to_string()) {
-            return Err((
-                StatusCode::TOO_MANY_REQUESTS,
-                format!(
-                    "{from} has shown more new bearer tokens than the broker reviews; retry later"
-                ),
-            ));
-        }
-        let (client, token, path_owned) = (client.clone(), token.to_string(), path.to_string());
+        let user = match reviewer
+            .review(token, &format!("ip:{from}"), Audience::ApiServer)
+            .await
+        {
+            Answer::User(user) => user,
+            Answer::Refused(why) => return Err((StatusCode::UNAUTHORIZED, why)),
+            Answer::Failed(why) => return Err((StatusCode::SERVICE_UNAVAILABLE, why)),
+            Answer::Limited(why) => return Err((StatusCode::TOO_MANY_REQUESTS, why)),
+        };
+        let key = (who(&user), path.to_string());
+        let (client, path_owned) = (client.clone(), path.to_string());
         let verdict = self
             .verdicts
             .get(&key, move || {
                 async move {
-                    let verdict = review(client, &token, &path_owned).await;
+                    let verdict = may_get(client, user, &path_owned).await;
                     let ttl = match verdict {
                         Verdict::Allowed => ALLOWED_TTL,
-                        Verdict::Unauthenticated(_) | Verdict::Forbidden(_) => REFUSED_TTL,
+                        Verdict::Forbidden(_) => REFUSED_TTL,
                         Verdict::Failed(_) => Duration::ZERO,
                     };
                     (verdict, ttl)
@@ -222,28 +222,24 @@ impl Guard {
             .await;
         match verdict {
             Verdict::Allowed => Ok(()),
-            Verdict::Unauthenticated(why) => Err((StatusCode::UNAUTHORIZED, why)),
             Verdict::Forbidden(why) => Err((StatusCode::FORBIDDEN, why)),
             Verdict::Failed(why) => Err((StatusCode::SERVICE_UNAVAILABLE, why)),
         }
     }
 }
 
-/// The TokenReview of `token` (for the API server's own audiences), then the SubjectAccessReview
-/// of `get` on `path` for its user.
-async fn review(client: kube::Client, token: &str, path: &str) -> Verdict {
-    let status = match token_review(client.clone(), token, None).await {
-        Ok(status) => status,
-        Err(why) => return Verdict::Failed(why),
-    };
-    if status.authenticated != Some(true) {
-        let why = status.error.unwrap_or_else(|| "not authenticated".into());
-        return Verdict::Unauthenticated(format!(
-            "the bearer token was refused: {}",
-            crate::selector::quote(&why)
-        ));
-    }
-    let user = status.user.unwrap_or_default();
+/// A user as the verdicts are kept: its name, uid and groups.
+fn who(user: &UserInfo) -> String {
+    format!(
+        "{}\n{}\n{}",
+        user.username.as_deref().unwrap_or_default(),
+        user.uid.as_deref().unwrap_or_default(),
+        user.groups.as_deref().unwrap_or_default().join(",")
+    )
+}
+
+/// The SubjectAccessReview of `get` on `path` for `user`.
+async fn may_get(client: kube::Client, user: UserInfo, path: &str) -> Verdict {
     let name = user.username.clone().unwrap_or_default();
     let reviews: Api<SubjectAccessReview> = Api::all(client);
     let request = SubjectAccessReview {

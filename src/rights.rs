@@ -1,9 +1,13 @@
-//! What the broker may do in a namespace, from one SelfSubjectRulesReview: the rules of every
-//! Role and ClusterRole bound to it there, including those that name objects (`resourceNames`),
-//! which a SelfSubjectAccessReview without a name would deny.
+//! What the broker's own identity may do in the cluster, for its readiness: one right at a time
+//! ([`may`], a SelfSubjectAccessReview), or everything in a namespace ([`rules_in`], a
+//! SelfSubjectRulesReview: the rules of every Role and ClusterRole bound to it there, including
+//! those that name objects (`resourceNames`), which a SelfSubjectAccessReview without a name
+//! would deny). The Kubernetes source asks about the kinds it serves, the access layer about
+//! what its identity sources need.
 
 use k8s_openapi::api::authorization::v1::{
-    ResourceRule, SelfSubjectRulesReview, SelfSubjectRulesReviewSpec,
+    ResourceAttributes, ResourceRule, SelfSubjectAccessReview, SelfSubjectAccessReviewSpec,
+    SelfSubjectRulesReview, SelfSubjectRulesReviewSpec,
 };
 use kube::api::{Api, PostParams};
 
@@ -20,6 +24,50 @@ impl Rules {
                 && has(r.api_groups.as_deref().unwrap_or_default(), group)
                 && has(r.resources.as_deref().unwrap_or_default(), resource)
         })
+    }
+}
+
+/// Whether the broker's own identity may `verb` `resource` in `group`, cluster-wide or in
+/// `namespace` (a SelfSubjectAccessReview); `Err` says why not, for readiness.
+pub async fn may(
+    client: &kube::Client,
+    verb: &str,
+    group: &str,
+    resource: &str,
+    namespace: Option<&str>,
+) -> Result<(), String> {
+    let review = SelfSubjectAccessReview {
+        spec: SelfSubjectAccessReviewSpec {
+            resource_attributes: Some(ResourceAttributes {
+                group: Some(group.to_string()),
+                resource: Some(resource.to_string()),
+                verb: Some(verb.to_string()),
+                namespace: namespace.map(str::to_string),
+                ..ResourceAttributes::default()
+            }),
+            ..SelfSubjectAccessReviewSpec::default()
+        },
+        ..SelfSubjectAccessReview::default()
+    };
+    let qualified = match (group, namespace) {
+        ("", None) => resource.to_string(),
+        ("", Some(ns)) => format!("{resource} in namespace {ns}"),
+        (g, None) => format!("{resource}.{g}"),
+        (g, Some(ns)) => format!("{resource}.{g} in namespace {ns}"),
+    };
+    let reviews: Api<SelfSubjectAccessReview> = Api::all(client.clone());
+    let answer = reviews
+        .create(&kube::api::PostParams::default(), &review)
+        .await
+        .map_err(|e| format!("asking whether the broker may {verb} {qualified}: {e}"))?;
+    match answer.status {
+        Some(status) if status.allowed => Ok(()),
+        status => Err(format!(
+            "the broker may not {verb} {qualified} ({})",
+            status
+                .and_then(|s| s.reason)
+                .unwrap_or_else(|| "no reason given".into())
+        )),
     }
 }
 
