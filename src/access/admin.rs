@@ -126,7 +126,7 @@ pub struct Guard {
     client: Option<kube::Client>,
     /// The broker's token reviewer, shared with the gRPC port.
     reviewer: Option<Arc<Reviewer>>,
-    /// What the API server said of a user (its name and groups) and a path.
+    /// What the API server said of a user and a path.
     verdicts: FlightCache<(String, String), Verdict>,
 }
 
@@ -228,14 +228,10 @@ impl Guard {
     }
 }
 
-/// A user as the verdicts are kept: its name, uid and groups.
+/// A user as the verdicts are kept: everything the SubjectAccessReview is sent of it (name,
+/// uid, groups and extra, which an authorizer may weigh), written out unambiguously.
 fn who(user: &UserInfo) -> String {
-    format!(
-        "{}\n{}\n{}",
-        user.username.as_deref().unwrap_or_default(),
-        user.uid.as_deref().unwrap_or_default(),
-        user.groups.as_deref().unwrap_or_default().join(",")
-    )
+    format!("{user:?}")
 }
 
 /// The SubjectAccessReview of `get` on `path` for `user`.
